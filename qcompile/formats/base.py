@@ -1,0 +1,98 @@
+"""What every checkpoint-format parser produces: a :class:`QuantConfig` that resolves module names to
+:class:`~qcompile.scheme.LayerQuant` (or ``None`` for "leave this layer in bf16").
+
+A parser is one file in this package with one entry point ``parse(config: dict) -> QuantConfig``. It
+validates the config completely at parse time and raises :class:`~qcompile.errors.ConfigError`
+naming the key and the fix; it never touches tensors or kernels.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Literal
+
+from ..errors import ConfigError
+from ..scheme import KVCacheSpec, LayerQuant
+
+ModuleKind = Literal["linear", "moe"]
+
+# Model-side fused modules and the checkpoint shards they hold (vLLM's packed_modules_mapping).
+# Used to resolve a fused layer from its shards' entries and to refuse shards that disagree.
+FUSED_SHARDS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+}
+
+
+def shard_names(module_name: str) -> list[str]:
+    """``a.b.qkv_proj`` -> ``[a.b.q_proj, a.b.k_proj, a.b.v_proj]``; an unfused name -> ``[]``."""
+    base, _, leaf = module_name.rpartition(".")
+    shards = FUSED_SHARDS.get(leaf, ())
+    return [f"{base}.{s}" if base else s for s in shards]
+
+
+class QuantConfig(ABC):
+    """A parsed checkpoint quantization config.
+
+    ``format`` names the producer format ("modelopt", "compressed-tensors", "quark", "online").
+    ``kv_cache`` is the KV-cache quantization the checkpoint declares, if any.
+    ``raw`` is the config dict as read, kept so the model can be saved / reported unchanged.
+    """
+
+    format: str = ""
+
+    def __init__(self, raw: dict[str, Any], kv_cache: KVCacheSpec | None = None):
+        self.raw = raw
+        self.kv_cache = kv_cache
+        self._cache: dict[tuple[str, str], LayerQuant | None] = {}
+
+    def resolve(self, module_name: str, kind: ModuleKind = "linear") -> LayerQuant | None:
+        """The quantization of ``module_name`` (an HF module path such as
+        ``model.layers.0.self_attn.q_proj``), or ``None`` when the layer stays unquantized
+        (excluded, ignored, or matched by no rule). ``kind="moe"`` asks about a fused-experts module
+        (e.g. ``model.layers.0.mlp.experts``). Raises ConfigError for contradictions (e.g. the shards
+        of a fused layer resolving to different schemes)."""
+        key = (module_name, kind)
+        if key not in self._cache:
+            self._cache[key] = self._resolve(module_name, kind)
+        return self._cache[key]
+
+    @abstractmethod
+    def _resolve(self, module_name: str, kind: ModuleKind) -> LayerQuant | None: ...
+
+    def describe(self) -> str:
+        return self.format
+
+    def resolve_fused(self, module_name: str, kind: ModuleKind, resolve_one) -> LayerQuant | None:
+        """Shared fused-layer rule: a fused module resolves through its shards when it has no entry of
+        its own; all shards must agree. ``resolve_one(name)`` resolves a single name."""
+        own = resolve_one(module_name)
+        if own is not None:
+            return own
+        shards = shard_names(module_name)
+        if not shards:
+            return None
+        found = {s: resolve_one(s) for s in shards}
+        schemes = {lq.scheme.key if lq else None for lq in found.values()}
+        if len(schemes) > 1:
+            detail = ", ".join(f"{s}: {lq.scheme.key if lq else 'unquantized'}" for s, lq in found.items())
+            raise ConfigError(
+                f"the shards of the fused layer resolve to different quantization ({detail})",
+                where=module_name,
+                fix="all shards of a fused layer must share one scheme; fix the config's per-layer entries",
+            )
+        return next(iter(found.values()))
+
+
+def require_type(value: Any, types, where: str, what: str, fix: str):
+    """Raise ConfigError unless ``value`` is an instance of ``types`` (bool is not an int here)."""
+    tlist = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) and bool not in tlist:
+        ok = False
+    else:
+        ok = isinstance(value, tlist)
+    if not ok:
+        names = " or ".join(t.__name__ for t in tlist)
+        raise ConfigError(f"{what} must be {names}, got {type(value).__name__} {value!r:.80}", where=where, fix=fix)
+    return value

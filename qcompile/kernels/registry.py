@@ -1,0 +1,146 @@
+"""The one kernel registry.
+
+Each :class:`Kernel` is data: the custom op it lowers to, the backend string that op dispatches on,
+a priority, and a ``check`` that answers ``None`` (can run) or a reason (cannot). :func:`select`
+applies an explicit override, then priority, and returns every rejected kernel's reason so the
+explain table can say why a faster kernel was not used.
+
+Kernel ops share the reference op's argument names (``x, weight, weight_scale, ...``) plus
+``scheme: str`` and ``backend: str``; the lowering pass fills them by name from the op schema, so a
+new kernel needs no lowering code of its own.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import UnsupportedError
+from ..scheme import QuantScheme
+
+
+@dataclass(frozen=True)
+class KernelQuery:
+    """What a kernel is asked to run."""
+
+    scheme: QuantScheme
+    device: str  # "cpu" | "cuda" | ...
+    capability: tuple[int, int] | None  # CUDA compute capability, None off-CUDA
+    n: int  # out_features
+    k: int  # in_features
+    act_dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    op: str  # "qcompile::fp8_linear"
+    backend: str  # passed to the op's `backend` argument
+    priority: int  # higher wins
+    check: Callable[[KernelQuery], str | None]
+    description: str = ""
+    requires: tuple[str, ...] = field(default=())  # python modules that must import (e.g. "flashinfer")
+
+    def reason_not(self, q: KernelQuery) -> str | None:
+        for mod in self.requires:
+            if not module_available(mod):
+                return f"{mod} is not installed"
+        return self.check(q)
+
+
+_KERNELS: dict[str, Kernel] = {}
+
+
+def register(kernel: Kernel) -> Kernel:
+    if kernel.name in _KERNELS:
+        raise AssertionError(f"kernel {kernel.name} registered twice")
+    _KERNELS[kernel.name] = kernel
+    return kernel
+
+
+def kernels() -> list[Kernel]:
+    _load_builtin()
+    return sorted(_KERNELS.values(), key=lambda k: -k.priority)
+
+
+_AVAILABLE: dict[str, bool] = {}
+
+
+def module_available(name: str) -> bool:
+    if name not in _AVAILABLE:
+        _AVAILABLE[name] = importlib.util.find_spec(name) is not None
+    return _AVAILABLE[name]
+
+
+@dataclass
+class Selection:
+    kernel: Kernel
+    rejected: list[tuple[str, str]]  # (kernel name, reason) of better-priority kernels passed over
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(f"{n}: {r}" for n, r in self.rejected)
+
+
+def select(q: KernelQuery, override: str | dict[str, str] | None = None, module: str = "") -> Selection:
+    """Pick the kernel for ``q``. ``override``: a kernel name for every layer, or
+    ``{module glob: kernel name}``. An override that cannot run is an error, never a silent fallback."""
+    forced = _override_for(override, module)
+    if forced is not None:
+        kernel = {k.name: k for k in kernels()}.get(forced)
+        if kernel is None:
+            raise UnsupportedError(f"kernel override {forced!r} names no kernel",
+                                   where=module or "options.kernels",
+                                   fix=f"use one of {[k.name for k in kernels()]}")
+        why = kernel.reason_not(q)
+        if why:
+            raise UnsupportedError(f"kernel override {forced!r} cannot run {q.scheme.key} here: {why}",
+                                   where=module or "options.kernels", fix="drop the override or pick another kernel")
+        return Selection(kernel, [])
+    rejected = []
+    for kernel in kernels():
+        why = kernel.reason_not(q)
+        if why is None:
+            return Selection(kernel, rejected)
+        rejected.append((kernel.name, why))
+    detail = "; ".join(f"{n}: {r}" for n, r in rejected)
+    raise UnsupportedError(
+        f"no kernel runs {q.scheme.key} on {q.device} (N={q.n}, K={q.k}): {detail}",
+        where=module or "kernel selection",
+        fix="this format is parsed but not runnable yet; see docs/formats.md for what runs today",
+    )
+
+
+def _override_for(override, module: str) -> str | None:
+    if override is None:
+        return None
+    if isinstance(override, str):
+        return override
+    for pattern, name in override.items():
+        if fnmatch.fnmatchcase(module, pattern):
+            return name
+    return None
+
+
+def cuda_capability(device: torch.device | str) -> tuple[int, int] | None:
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+_LOADED = False
+
+
+def _load_builtin():
+    """Import the kernel modules once; each registers its kernels at import."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    from . import reference  # noqa: F401  (registers the reference kernel)
+    from . import fp8  # noqa: F401
