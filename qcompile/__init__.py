@@ -1,0 +1,18 @@
+"""qcompile: run quantized HuggingFace checkpoints fast with ``torch.compile(model, backend="qcompile")``.
+
+Public API: :func:`load`, :class:`QCompileConfig`, :func:`backend`, :func:`explain`.
+Importing qcompile registers the ModelOpt format with transformers (plain ``from_pretrained`` then
+loads ModelOpt checkpoints) and the ``qcompile::`` custom ops.
+"""
+
+from .errors import CheckpointError, ConfigError, QCompileError, UnsupportedError
+from .loading import QCompileConfig, load, register_with_transformers
+from .scheme import LayerQuant, QuantScheme
+
+register_with_transformers()
+
+from .backend import backend, explain  # noqa: E402
+
+__all__ = ["load", "QCompileConfig", "backend", "explain", "QCompileError", "ConfigError", "CheckpointError",
+           "UnsupportedError", "LayerQuant", "QuantScheme"]
+__version__ = "0.1.0"

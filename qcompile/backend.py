@@ -1,0 +1,128 @@
+"""The ``qcompile`` torch.compile backend.
+
+``torch.compile(model, backend="qcompile")`` works right after ``pip install`` (the package registers
+the ``torch_dynamo_backends`` entry point). Options, either way::
+
+    torch.compile(model, backend="qcompile", options={"inner": "aot_eager"})
+    torch.compile(model, backend=qcompile.backend(inner="inductor", kernels={"*.down_proj": "reference"},
+                                                  online="fp8_per_block", cudagraphs=True))
+
+Pipeline on the graph Dynamo hands over: the Linear pass (``qcompile.passes.linear``), then the inner
+compiler. ``qcompile.explain()`` (or ``backend_instance.explain()``) prints what matched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+log = logging.getLogger("qcompile")
+
+INNER = ("inductor", "aot_eager", "eager")
+
+
+@dataclass
+class Options:
+    inner: str = "inductor"  # the compiler that runs after qcompile's passes
+    kernels: str | dict[str, str] | None = None  # kernel override: a name, or {module glob: name}
+    online: str | None = None  # "fp8_per_tensor" | "fp8_per_block": quantize bf16 linears at compile time
+    ignore: list[str] = field(default_factory=list)  # online: modules to leave alone
+    cudagraphs: bool = False  # inductor: capture CUDA graphs (like mode="reduce-overhead")
+    inductor_config: dict[str, Any] = field(default_factory=dict)
+    on_graph: Callable | None = None  # test hook: called with (gm before the pass as code, gm after)
+
+    @classmethod
+    def make(cls, options: dict | None) -> "Options":
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown qcompile option(s) {unknown}", where="torch.compile(options=...)",
+                              fix=f"qcompile takes {sorted(known)}")
+        opts = cls(**options)
+        if opts.inner not in INNER:
+            raise ConfigError(f"unknown inner compiler {opts.inner!r}", where="options.inner", fix=f"use one of {INNER}")
+        return opts
+
+
+class QCompileBackend:
+    """A configured backend; callable as a torch.compile backend. ``rows`` collects the explain rows
+    of every graph it compiled."""
+
+    def __init__(self, **options):
+        self.options = Options.make(options)
+        self.rows: list = []
+        self._online = None
+        if self.options.online is not None:
+            from .formats import parse_quant_config
+            from .formats.online import online_config
+            self._online = parse_quant_config(online_config(self.options.online, ignore=self.options.ignore))
+
+    def __call__(self, gm, example_inputs, options: dict | None = None, **kwargs):
+        if options:  # torch.compile(..., backend="qcompile", options={...})
+            return QCompileBackend(**{**self._given(), **options})(gm, example_inputs)
+        from .passes.linear import lower_linears
+
+        before = gm.code if self.options.on_graph else None
+        rows = lower_linears(gm, example_inputs, kernels=self.options.kernels, online=self._online)
+        self.rows.extend(rows)
+        _LAST.clear()
+        _LAST.extend(self.rows)
+        if self.options.on_graph:
+            self.options.on_graph(before, gm.code)
+        return self._inner(gm, example_inputs)
+
+    def _given(self) -> dict:
+        return {f.name: getattr(self.options, f.name) for f in dataclasses.fields(Options)}
+
+    def _inner(self, gm, example_inputs):
+        inner = self.options.inner
+        if inner == "eager":
+            return gm.forward
+        if inner == "aot_eager":
+            from torch._dynamo.backends.registry import lookup_backend
+            return lookup_backend("aot_eager")(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+        patches = dict(self.options.inductor_config)
+        if self.options.cudagraphs:
+            patches["triton.cudagraphs"] = True
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def explain(self) -> str:
+        return format_explain(self.rows)
+
+
+_LAST: list = []
+_DEFAULT = None
+
+
+def qcompile_backend(gm, example_inputs, options: dict | None = None, **kwargs):
+    """The entry point torch.compile finds by name."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        import qcompile  # noqa: F401  (registers the ops and the transformers integration)
+        _DEFAULT = QCompileBackend()
+    return _DEFAULT(gm, example_inputs, options=options, **kwargs)
+
+
+def backend(**options) -> QCompileBackend:
+    """A configured backend: ``torch.compile(model, backend=qcompile.backend(inner="aot_eager"))``."""
+    return QCompileBackend(**options)
+
+
+def format_explain(rows) -> str:
+    headers = ("module", "scheme", "op", "kernel", "why not faster")
+    table = [headers] + [(r.module, r.scheme, r.op, r.kernel, r.reason) for r in rows]
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(headers))]
+    lines = [" | ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def explain() -> str:
+    """The explain table of the most recent qcompile compilation in this process."""
+    return format_explain(_LAST)

@@ -1,0 +1,192 @@
+"""``QuantLinear``: the module that replaces an ``nn.Linear`` whose checkpoint weight is quantized.
+
+Life cycle (driven by :mod:`qcompile.loading`):
+
+1. :meth:`QuantLinear.plan` — before any tensor is read: from the safetensors *headers*, check that
+   every tensor the layer's :class:`~qcompile.scheme.LayerQuant` names is present with an allowed
+   dtype and a shape that holds the canonical tensor; declare empty parameters with the on-disk
+   names, dtypes and shapes, so the loader copies each tensor once, as stored (fp8 stays fp8).
+2. transformers' loader fills them, shard by shard.
+3. :meth:`QuantLinear.finalize` — reshape to the canonical shapes, invert reciprocal conventions,
+   widen bf16 scales to fp32, reject NaN / inf / non-positive scales, quantize online layers, and
+   re-register everything under the canonical role names.
+
+``forward`` calls the reference op ``qcompile::linear_ref``, so an uncompiled model is correct on any
+device; the backend's Linear pass lowers that op to a kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError, UnsupportedError
+from .kernels import quant_math
+from .kernels.reference import linear_ref, reference_supports  # noqa: F401  (registers the op)
+from .scheme import Granularity, LayerQuant, Packing, QDtype, ScaleDtype, canonical_shape, shape_matches
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+INTS = (torch.int32, torch.int64)
+
+# The tensors QuantLinear.forward passes to the op, in the op's argument order.
+OP_ROLES = ("weight", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_g_idx",
+            "input_scale", "input_global_scale")
+
+
+def allowed_dtypes(role: str, lq: LayerQuant) -> tuple[torch.dtype, ...]:
+    w = lq.scheme.weight
+    if role == "weight":
+        if lq.online:
+            return FLOATS
+        if w.packing is Packing.INT32:
+            return (torch.int32,)
+        if w.packing in (Packing.UINT8, Packing.UINT8_FP6):
+            return (torch.uint8,)
+        return (torch.float8_e4m3fn,) if w.dtype is QDtype.FP8_E4M3 else (torch.int8,)
+    if role == "weight_scale":
+        if w.scale.dtype is ScaleDtype.FP8_E4M3:
+            return (torch.float8_e4m3fn,)
+        if w.scale.dtype is ScaleDtype.E8M0:
+            return (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+        return FLOATS
+    if role in ("weight_global_scale", "input_scale", "input_global_scale"):
+        return FLOATS
+    if role in ("weight_zero_point", "weight_g_idx", "weight_shape"):
+        return INTS + (torch.int8, torch.uint8)
+    raise AssertionError(role)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, has_bias: bool, lq: LayerQuant, name: str,
+                 dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.lq = lq
+        self.name = name
+        self.scheme_key = lq.scheme.key
+        self.finalized = False
+        self._disk_names: dict[str, str] = {}  # role -> attribute name while loading
+        self.bias = _param(torch.empty(out_features, dtype=dtype, device="meta")) if has_bias else None
+
+    # -- 1. plan ---------------------------------------------------------------------------------
+    @classmethod
+    def plan(cls, linear: nn.Linear, name: str, lq: LayerQuant, header: dict[str, tuple[torch.dtype, tuple]]
+             ) -> "QuantLinear":
+        """Build the replacement for ``linear`` (named ``name``) from ``header``: the checkpoint's
+        ``{tensor name: (dtype, shape)}``. Raises CheckpointError / UnsupportedError naming the
+        layer, the tensor and the fix."""
+        n, k = linear.out_features, linear.in_features
+        why = reference_supports(lq.scheme)
+        if why:
+            raise UnsupportedError(f"{lq.source} layer uses {lq.scheme.key}: {why}", where=name,
+                                   fix="load a checkpoint in a runnable format (docs/formats.md) or wait for the issue named")
+        _check_divisible(lq, name, n, k)
+        dtype = linear.weight.dtype if linear.weight.dtype in FLOATS else torch.bfloat16
+        mod = cls(k, n, linear.bias is not None, lq, name, dtype)
+        for spec in lq.tensors:
+            full = f"{name}.{spec.name}"
+            if full not in header:
+                if spec.optional:
+                    continue
+                raise CheckpointError(
+                    f"tensor {full!r} ({spec.role}) is missing from the checkpoint", where=name,
+                    fix=f"the {lq.source} scheme {lq.scheme.key} stores {[t.name for t in lq.tensors if not t.optional]} "
+                        "for every quantized layer; re-export the checkpoint or exclude this layer in the config")
+            disk_dtype, disk_shape = header[full]
+            ok_dtypes = allowed_dtypes(spec.role, lq)
+            if disk_dtype not in ok_dtypes:
+                raise CheckpointError(
+                    f"tensor {full!r} has dtype {disk_dtype}, expected one of {list(ok_dtypes)}", where=name,
+                    fix=f"the config says {lq.scheme.key}; the checkpoint and its config disagree")
+            want = canonical_shape(spec.role, lq.scheme, n, k)
+            if not shape_matches(disk_shape, want):
+                raise CheckpointError(
+                    f"tensor {full!r} has shape {list(disk_shape)}, expected {list(want)} for a [{n}, {k}] "
+                    f"layer under {lq.scheme.key}", where=name,
+                    fix="the checkpoint does not match the model config or the quantization config")
+            # Scales are kept in fp32; everything else as stored.
+            keep = torch.float32 if disk_dtype in FLOATS and spec.role != "weight" else disk_dtype
+            if lq.online and spec.role == "weight":
+                keep = disk_dtype
+            setattr(mod, spec.name, _param(torch.empty(disk_shape, dtype=keep, device="meta")))
+            mod._disk_names[spec.role] = spec.name
+        return mod
+
+    # -- 3. finalize -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def finalize(self) -> None:
+        if self.finalized:
+            return
+        n, k, lq = self.out_features, self.in_features, self.lq
+        canonical: dict[str, torch.Tensor] = {}
+        for spec in lq.tensors:
+            attr = self._disk_names.get(spec.role)
+            if attr is None:
+                continue
+            t = getattr(self, attr).data
+            if t.device.type == "meta":
+                raise CheckpointError(f"tensor {self.name}.{spec.name} was not loaded", where=self.name,
+                                      fix="the checkpoint index lists it but no shard held it; check the shards")
+            delattr(self, attr)
+            if spec.role == "weight" and lq.online:
+                canonical["weight"] = t
+                continue
+            t = t.reshape(canonical_shape(spec.role, lq.scheme, n, k))
+            if t.dtype in FLOATS:
+                t = t.float()
+                _check_finite_positive(t, self.name, spec.name)
+                if spec.reciprocal:
+                    t = 1.0 / t
+            canonical[spec.role] = t.contiguous()
+        if lq.online:
+            canonical.update(self._quantize_online(canonical.pop("weight")))
+        for role, t in canonical.items():
+            setattr(self, role, _param(t))
+        self._disk_names.clear()
+        self.finalized = True
+
+    def _quantize_online(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = self.lq.scheme.weight
+        _check_finite(weight, self.name, "weight")
+        q, s = quant_math.quantize_weight_fp8(weight, w.scale.granularity,
+                                              w.scale.block[0] if w.scale.granularity is Granularity.BLOCK else 128)
+        return {"weight": q, "weight_scale": s}
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        args = [getattr(self, role, None) for role in OP_ROLES]
+        return torch.ops.qcompile.linear_ref(x, *args, self.bias, self.scheme_key)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme_key}"
+
+
+def _check_divisible(lq: LayerQuant, name: str, n: int, k: int) -> None:
+    w = lq.scheme.weight.scale
+    if w.granularity is Granularity.BLOCK and (n % w.block[0] or k % w.block[1]):
+        raise CheckpointError(
+            f"block-quantized layer has out_features={n}, in_features={k}, not multiples of the "
+            f"{w.block[0]}x{w.block[1]} block", where=name,
+            fix="exclude this layer from quantization (config ignore / exclude_modules) or use a per-channel scheme")
+    g = lq.scheme.act.scale.group_size if lq.scheme.act and lq.scheme.act.scale.granularity is Granularity.GROUP else 0
+    if g and k % g:
+        raise CheckpointError(f"in_features={k} is not a multiple of the activation group size {g}", where=name,
+                              fix="exclude this layer from quantization")
+
+
+def _check_finite(t: torch.Tensor, layer: str, tensor: str) -> None:
+    if not torch.isfinite(t).all():
+        raise CheckpointError(f"tensor {layer}.{tensor} holds NaN or inf", where=layer,
+                              fix="the checkpoint is corrupt; re-export it")
+
+
+def _check_finite_positive(t: torch.Tensor, layer: str, tensor: str) -> None:
+    _check_finite(t, layer, tensor)
+    if (t <= 0).any():
+        bad = int((t <= 0).sum())
+        raise CheckpointError(f"tensor {layer}.{tensor} holds {bad} zero or negative scale(s)", where=layer,
+                              fix="scales must be positive; the checkpoint is corrupt or the layer was never calibrated")

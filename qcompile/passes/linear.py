@@ -1,0 +1,181 @@
+"""The Linear pass: lower quantized linears in the graph Dynamo hands the backend.
+
+Two patterns, one replacement:
+
+* ``qcompile::linear_ref(x, weight, <scales>, bias, scheme)`` — what a loaded quantized model's
+  ``QuantLinear`` puts in the graph. Lowered to the kernel op the registry selects (left as is when
+  the reference is the best that runs).
+* ``F.linear(x, weight, bias)`` with a bf16/fp16 parameter weight, when online quantization is on and
+  the layer is not ignored (routers never are quantized): the weight is quantized once, here, into
+  graph constants, then lowered the same way.
+
+The pass does not know which producer wrote the checkpoint: it reads the scheme key the op carries.
+Every matched layer gets an :class:`ExplainRow` (module, scheme, op, kernel, why not faster).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from ..formats import QuantConfig
+from ..kernels import quant_math
+from ..kernels.registry import KernelQuery, Selection, cuda_capability, select
+from ..scheme import Granularity, parse_scheme_key
+
+log = logging.getLogger("qcompile")
+
+LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
+ROUTER_LEAVES = ("gate", "router", "shared_expert_gate")  # MoE routers stay in high precision
+
+
+@dataclass
+class ExplainRow:
+    module: str
+    scheme: str
+    op: str
+    kernel: str
+    reason: str = ""
+
+
+def _ref_targets():
+    return (torch.ops.qcompile.linear_ref.default, torch.ops.qcompile.linear_ref)
+
+
+def source_name(node: fx.Node) -> str:
+    """``model.layers.0.mlp.up_proj.weight`` for a parameter placeholder (from Dynamo's source)."""
+    ga = node.meta.get("grapharg")
+    text = getattr(ga, "source", None)
+    text = getattr(text, "name", None)
+    text = text() if callable(text) else text
+    if not text:
+        return node.name
+    # L['self']._modules['model']._modules['layers']._modules['0']...._parameters['weight']
+    parts = [a or b or c for a, b, c in re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)", text)]
+    parts = [p for p in parts[1:] if p not in ("_modules", "_parameters", "_buffers")]
+    return ".".join(parts) or text
+
+
+def module_of(node: fx.Node) -> str:
+    return source_name(node).rpartition(".")[0]
+
+
+def _bind(node: fx.Node, op) -> dict:
+    names = [a.name for a in op._schema.arguments]
+    bound = dict(zip(names, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def _value(node_or_const):
+    return node_or_const.meta.get("example_value", node_or_const.meta.get("val")) \
+        if isinstance(node_or_const, fx.Node) else node_or_const
+
+
+def _query(scheme_key: str, x, weight_shape) -> KernelQuery:
+    scheme = parse_scheme_key(scheme_key)
+    n, k = weight_shape[0], x.shape[-1]
+    return KernelQuery(scheme=scheme, device=x.device.type, capability=cuda_capability(x.device),
+                       n=int(n), k=int(k), act_dtype=x.dtype)
+
+
+def _emit(graph: fx.Graph, node: fx.Node, args: dict, sel: Selection, scheme_key: str) -> fx.Node:
+    ns, name = sel.kernel.op.split("::")
+    op = getattr(getattr(torch.ops, ns), name).default
+    kwargs = {}
+    for a in op._schema.arguments:
+        if a.name == "scheme":
+            kwargs[a.name] = scheme_key
+        elif a.name == "backend":
+            kwargs[a.name] = sel.kernel.backend
+        else:
+            kwargs[a.name] = args.get(a.name)
+    with graph.inserting_before(node):
+        new = graph.call_function(op, kwargs=kwargs)
+    new.meta.update(node.meta)
+    return new
+
+
+def lower_linears(gm: fx.GraphModule, example_inputs, kernels=None, online: QuantConfig | None = None
+                  ) -> list[ExplainRow]:
+    """Rewrite ``gm`` in place; return one row per matched layer."""
+    rows: list[ExplainRow] = []
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    real = {n: t for n, t in zip(placeholders, example_inputs)}
+    ref_op = torch.ops.qcompile.linear_ref.default
+    n_online = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _ref_targets():
+            args = _bind(node, ref_op)
+            scheme_key, x, w = args["scheme"], _value(args["x"]), _value(args["weight"])
+            module = module_of(args["weight"]) if isinstance(args["weight"], fx.Node) else "?"
+        elif online is not None and node.target in LINEAR_TARGETS:
+            args = _online_args(gm, node, online, real, rows, n_online)
+            if args is None:
+                continue
+            n_online += 1
+            scheme_key, x, w = args.pop("scheme"), _value(node.args[0]), args.pop("_weight_shape")
+            module = args.pop("_module")
+        else:
+            continue
+        wshape = w.shape if hasattr(w, "shape") else w
+        sel = select(_query(scheme_key, x, wshape), kernels, module)
+        row = ExplainRow(module, scheme_key, sel.kernel.op, sel.kernel.name, sel.reason)
+        rows.append(row)
+        if sel.kernel.op == "qcompile::linear_ref" and node.target in _ref_targets():
+            continue  # already the reference
+        new = _emit(graph, node, args, sel, scheme_key)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        log.info("qcompile: %s [%s] -> %s (%s)%s", module, scheme_key, sel.kernel.op, sel.kernel.name,
+                 f"; passed over {sel.reason}" if sel.reason else "")
+    graph.lint()
+    gm.recompile()
+    return rows
+
+
+def _online_args(gm, node: fx.Node, online: QuantConfig, real: dict, rows: list, index: int) -> dict | None:
+    """For an ``F.linear`` on a parameter: quantize the weight into graph constants and return the
+    canonical op arguments, or None (with an explain row when the layer was considered)."""
+    x_node, w_node = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    if not isinstance(w_node, fx.Node) or w_node.op != "placeholder" or w_node not in real:
+        return None
+    weight = real[w_node]
+    module = module_of(w_node)
+    if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    if module.rpartition(".")[2] in ROUTER_LEAVES:
+        rows.append(ExplainRow(module, "bf16", "aten::linear", "bf16", "router: kept in high precision"))
+        return None
+    lq = online.resolve(module, "linear")
+    if lq is None:
+        rows.append(ExplainRow(module, "bf16", "aten::linear", "bf16", "excluded by the online config"))
+        return None
+    spec = lq.scheme.weight.scale
+    n, k = weight.shape
+    block = spec.block[0] if spec.granularity is Granularity.BLOCK else 0
+    if n % 16 or k % 16 or (block and (n % block or k % block)):
+        rows.append(ExplainRow(module, lq.scheme.key, "aten::linear", "bf16",
+                               f"[{n}, {k}] does not divide into {max(block, 16)}-element tiles"))
+        return None
+    with torch.no_grad():
+        q, s = quant_math.quantize_weight_fp8(weight.detach(), spec.granularity, block or 128)
+    names = (f"_qcompile_online_w{index}", f"_qcompile_online_s{index}")
+    gm.register_buffer(names[0], q)
+    gm.register_buffer(names[1], s.float())
+    with gm.graph.inserting_before(node):
+        wq, ws = gm.graph.get_attr(names[0]), gm.graph.get_attr(names[1])
+    for n_, t in ((wq, q), (ws, s)):
+        n_.meta["example_value"] = t
+        n_.meta["val"] = t
+    return {"x": x_node, "weight": wq, "weight_scale": ws, "bias": bias, "scheme": lq.scheme.key,
+            "_weight_shape": tuple(weight.shape), "_module": module}

@@ -1,0 +1,178 @@
+"""Tiny checkpoints written in the producers' exact on-disk formats, from a config and random weights.
+
+Nothing can be downloaded here, so tests and ``qcompile run`` (with no checkpoint) build their models
+with these writers. Each writer reproduces the tensor names, dtypes, shapes, scale conventions and
+config files of the real producer (compare with ``shared/testdata/checkpoints``, written by
+nvidia-modelopt 0.47 and llm-compressor 0.14):
+
+* ModelOpt: fp8 weights, fp32 scales (0-d per tensor, [N] per channel, [N/128, 1, K/128, 1] per
+  block), ``hf_quant_config.json`` beside ``config.json`` whose ``quantization_config`` has
+  ``quant_method: "modelopt"``; ``lm_head`` and ``model.embed_tokens`` excluded.
+* compressed-tensors: fp8 weights, scales in the model dtype (bf16), per-tensor scales of shape [1],
+  channel scales [N, 1], block scales [N/128, K/128]; ``format: float-quantized``; ``lm_head`` ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from .kernels.quant_math import FP8_MAX, quantize_weight_fp8
+from .scheme import Granularity
+
+FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "modelopt-fp8-pbwo", "ct-fp8-static", "ct-fp8-dynamic",
+           "ct-fp8-block")
+
+LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny_llama_config(**overrides):
+    """The shape of shared/testdata's base model: hidden 256, intermediate 512, 2 layers, heads 4/2,
+    head_dim 64, vocab 384, tied embeddings (all linear dims are multiples of 128)."""
+    from transformers import LlamaConfig
+
+    kw = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, vocab_size=384, tie_word_embeddings=True,
+              max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              initializer_range=0.05)
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def write_bf16(path: str, config=None, seed: int = 0, dtype=torch.bfloat16) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = config or tiny_llama_config()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(path)
+    write_tokenizer(path)
+    return path
+
+
+def write_tokenizer(path: str) -> None:
+    """A byte-level tokenizer (256 byte tokens + <pad>/<s>/</s>): enough for ``qcompile run``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(byte_chars):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(path)
+
+
+def _calibrate(model, n_tokens: int = 64, seed: int = 0) -> dict[str, float]:
+    """Per-linear input amax over random tokens: what a producer's calibration measures."""
+    amax: dict[str, float] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.rpartition(".")[2] in LINEAR_LEAVES:
+            def hook(m, args, name=name):
+                amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().amax()))
+            hooks.append(mod.register_forward_pre_hook(hook))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model(torch.randint(3, model.config.vocab_size, (2, n_tokens), generator=g))
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0) -> str:
+    """Write a tiny model in ``fmt`` (one of FORMATS) to ``path``; returns ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown synthetic format {fmt!r}; choose from {FORMATS}")
+    os.makedirs(path, exist_ok=True)
+    write_bf16(path, config, seed)
+    if fmt == "bf16":
+        return path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    amax = _calibrate(model)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    modelopt = fmt.startswith("modelopt")
+    gran = {"modelopt-fp8": Granularity.TENSOR, "ct-fp8-static": Granularity.TENSOR,
+            "modelopt-fp8-pcpt": Granularity.CHANNEL, "ct-fp8-dynamic": Granularity.CHANNEL,
+            "modelopt-fp8-pbwo": Granularity.BLOCK, "ct-fp8-block": Granularity.BLOCK}[fmt]
+    static_act = fmt in ("modelopt-fp8", "ct-fp8-static")
+    scale_dtype = torch.float32 if modelopt else torch.bfloat16
+    for name in amax:
+        w = state.pop(f"{name}.weight")
+        q, s = quantize_weight_fp8(w, gran)
+        if not modelopt:
+            s = s.to(torch.bfloat16).float()  # the stored (bf16) scale is the one the codes were made with
+            q = (w.float() / _expand(s, gran, w.shape)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        state[f"{name}.weight"] = q
+        if gran is Granularity.TENSOR:
+            s = s.reshape(()) if modelopt else s.reshape(1)
+        elif gran is Granularity.CHANNEL:
+            s = s if modelopt else s.reshape(-1, 1)
+        elif modelopt:  # FP8_PB_WO: [N/128, 1, K/128, 1]
+            s = s[:, None, :, None]
+        state[f"{name}.weight_scale"] = s.to(scale_dtype).contiguous()
+        if static_act:
+            a = torch.tensor(amax[name] / FP8_MAX, dtype=torch.float32)
+            state[f"{name}.input_scale"] = a if modelopt else a.reshape(1).to(torch.bfloat16)
+    os.remove(os.path.join(path, "model.safetensors"))
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    qcfg = _modelopt_configs(fmt) if modelopt else _ct_config(fmt)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qcfg["config"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    if "hf_quant_config" in qcfg:
+        with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+            json.dump(qcfg["hf_quant_config"], f, indent=4)
+    return path
+
+
+def _expand(s, gran, shape):
+    n, k = shape
+    if gran is Granularity.TENSOR:
+        return s
+    if gran is Granularity.CHANNEL:
+        return s[:, None]
+    return s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+
+
+def _modelopt_configs(fmt: str) -> dict:
+    algo = {"modelopt-fp8": "FP8", "modelopt-fp8-pcpt": "FP8_PER_CHANNEL_PER_TOKEN", "modelopt-fp8-pbwo": "FP8_PB_WO"}[fmt]
+    exclude = ["lm_head", "model.embed_tokens"]
+    producer = {"name": "modelopt", "version": "0.47.0"}
+    group = {"weights": {"dynamic": False, "num_bits": 8, "type": "float"}, "targets": ["Linear"]}
+    if algo == "FP8":
+        group["input_activations"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    config = {"config_groups": {"group_0": group}, "ignore": exclude, "quant_algo": algo, "producer": producer,
+              "quant_method": "modelopt"}
+    legacy = {"producer": producer, "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None,
+                                                      "exclude_modules": exclude}}
+    return {"config": config, "hf_quant_config": legacy}
+
+
+def _ct_config(fmt: str) -> dict:
+    def args(strategy, dynamic, **kw):
+        return {"actorder": None, "block_structure": kw.get("block"), "dynamic": dynamic,
+                "group_size": kw.get("group"), "num_bits": 8, "observer": None if dynamic else "minmax",
+                "observer_kwargs": {}, "scale_dtype": None, "strategy": strategy, "symmetric": True, "type": "float",
+                "zp_dtype": None}
+    weights, acts = {
+        "ct-fp8-static": (args("tensor", False), args("tensor", False)),
+        "ct-fp8-dynamic": (args("channel", False), args("token", True)),
+        "ct-fp8-block": (args("block", False, block=[128, 128]), args("group", True, group=128)),
+    }[fmt]
+    group = {"format": "float-quantized", "input_activations": acts, "output_activations": None,
+             "targets": ["Linear"], "weights": weights}
+    return {"config": {"config_groups": {"group_0": group}, "format": "float-quantized",
+                       "global_compression_ratio": None, "ignore": ["lm_head"], "kv_cache_scheme": None,
+                       "quant_method": "compressed-tensors", "quantization_status": "compressed",
+                       "sparsity_config": {}, "transform_config": {}, "version": "0.19.0"}}
