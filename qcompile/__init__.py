@@ -11,6 +11,16 @@ from .scheme import LayerQuant, QuantScheme
 
 register_with_transformers()
 
+
+def _register_torch_log():
+    import torch._logging._internal as torch_logs
+
+    if "qcompile" not in torch_logs.log_registry.log_alias_to_log_qnames:
+        torch_logs.register_log("qcompile", "qcompile")
+
+
+_register_torch_log()
+
 from .backend import backend, explain  # noqa: E402
 
 __all__ = ["load", "QCompileConfig", "backend", "explain", "QCompileError", "ConfigError", "CheckpointError",

@@ -55,7 +55,7 @@ class QCompileBackend:
 
     def __init__(self, **options):
         self.options = Options.make(options)
-        self.rows: list = []
+        self._rows: dict = {}  # module -> ExplainRow (a recompile of the same graph replaces its rows)
         self._online = None
         if self.options.online is not None:
             from .formats import parse_quant_config
@@ -69,12 +69,16 @@ class QCompileBackend:
 
         before = gm.code if self.options.on_graph else None
         rows = lower_linears(gm, example_inputs, kernels=self.options.kernels, online=self._online)
-        self.rows.extend(rows)
+        self._rows.update((r.module, r) for r in rows)
         _LAST.clear()
         _LAST.extend(self.rows)
         if self.options.on_graph:
             self.options.on_graph(before, gm.code)
         return self._inner(gm, example_inputs)
+
+    @property
+    def rows(self) -> list:
+        return list(self._rows.values())
 
     def _given(self) -> dict:
         return {f.name: getattr(self.options, f.name) for f in dataclasses.fields(Options)}

@@ -190,3 +190,22 @@ def _check_finite_positive(t: torch.Tensor, layer: str, tensor: str) -> None:
         bad = int((t <= 0).sum())
         raise CheckpointError(f"tensor {layer}.{tensor} holds {bad} zero or negative scale(s)", where=layer,
                               fix="scales must be positive; the checkpoint is corrupt or the layer was never calibrated")
+
+
+@torch.no_grad()
+def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """In place: replace every QuantLinear by an ``nn.Linear`` holding its dequantized weight (the
+    "dequantized bf16 reference" compiled outputs are compared with). Activations are not quantized
+    in the result. Returns ``model``."""
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, QuantLinear):
+            continue
+        w = quant_math.dequantize_weight(mod.weight, mod.weight_scale, mod.lq.scheme.weight,
+                                         getattr(mod, "weight_global_scale", None))
+        lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device=w.device, dtype=dtype)
+        lin.weight.copy_(w.to(dtype))
+        if mod.bias is not None:
+            lin.bias.copy_(mod.bias)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, lin)
+    return model

@@ -1,0 +1,126 @@
+"""End-to-end decode: a tiny-but-wide Llama in ModelOpt FP8 compiled with qcompile vs the same model
+in bf16 under plain torch.compile. Own decode loop (StaticCache, compiled step, batch 1), as
+shared/GPU.md recommends (HF generate + reduce-overhead breaks in transformers 5.17).
+
+    python benchmarks/e2e_decode.py --out e2e.json            # H100: hidden 4096, inter 14336, 2 layers
+    python benchmarks/e2e_decode.py --tiny --device cpu       # smoke test anywhere
+
+Reports decode tokens/s, weight memory, and compiled-vs-eager logits error of the quantized model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def decode(model, compile_fn, device, prompt_len: int, n_tokens: int, reps: int):
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=prompt_len + n_tokens * (reps + 2) + 8)
+    ids = torch.randint(3, model.config.vocab_size, (1, prompt_len), device=device)
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt_len, device=device),
+                       use_cache=True).logits
+
+    def step(tok, pos):
+        return model(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True).logits
+
+    compiled = compile_fn(step)
+    tok = logits[:, -1:].argmax(-1)
+    pos = prompt_len
+    times = []
+    with torch.no_grad():
+        for rep in range(reps + 1):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n_tokens):
+                out = compiled(tok, torch.tensor([pos], device=device))
+                tok = out[:, -1:].argmax(-1).clone()
+                pos += 1
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if rep:  # the first rep compiles and warms up
+                times.append(time.perf_counter() - t0)
+    return n_tokens / statistics.median(times)
+
+
+def main(argv=None):
+    import qcompile
+    from qcompile import synth
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--inter", type=int, default=14336)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="the 256-wide test model (smoke test)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    cfg = synth.tiny_llama_config() if args.tiny else synth.tiny_llama_config(
+        hidden_size=args.hidden, intermediate_size=args.inter, num_hidden_layers=args.layers, vocab_size=args.vocab,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+        tie_word_embeddings=False)
+    root = tempfile.mkdtemp(prefix="qcompile-e2e-")
+    t0 = time.perf_counter()
+    synth.write_checkpoint(f"{root}/fp8", "modelopt-fp8", config=cfg)
+    print(f"wrote checkpoints in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    from transformers import AutoModelForCausalLM
+
+    results = {}
+    # bf16 baseline: the same random weights (same seed) under plain torch.compile
+    synth.write_bf16(f"{root}/bf16", cfg)
+    bf16 = AutoModelForCausalLM.from_pretrained(f"{root}/bf16", dtype=torch.bfloat16).to(args.device).eval()
+    mode = "reduce-overhead" if cuda else None
+    tps = decode(bf16, lambda f: torch.compile(f, mode=mode), args.device, args.prompt, args.tokens, args.reps)
+    results["bf16 torch.compile" + (" reduce-overhead" if cuda else "")] = {"tok_s": tps, "weight_MiB": weight_bytes(bf16) / 2**20}
+    del bf16
+    if cuda:
+        torch.cuda.empty_cache()
+
+    model = qcompile.load(f"{root}/fp8", device=args.device).eval()
+    ids = torch.randint(3, cfg.vocab_size, (1, 32), device=args.device)
+    be = qcompile.backend(cudagraphs=cuda)
+    with torch.no_grad():
+        eager = model(ids).logits.float()
+        comp = torch.compile(model, backend=qcompile.backend())(ids).logits.float()
+    rel = ((comp - eager).norm() / eager.norm()).item()
+    tps = decode(model, lambda f: torch.compile(f, backend=be), args.device, args.prompt, args.tokens, args.reps)
+    results["ModelOpt FP8 qcompile" + (" cudagraphs" if cuda else "")] = {
+        "tok_s": tps, "weight_MiB": weight_bytes(model) / 2**20, "compiled_vs_eager_rel_err": rel}
+    print(be.explain().splitlines()[2])
+    print(json.dumps(results, indent=2))
+    print("\n| model | decode tok/s | weight MiB |\n| --- | --- | --- |")
+    for k, v in results.items():
+        print(f"| {k} | {v['tok_s']:.0f} | {v['weight_MiB']:.0f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"config": cfg.to_dict(), "results": results}, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Shared fixtures: the producers' tiny checkpoints (../shared/testdata) and synthesized ones."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TESTDATA = Path(os.environ.get("QCOMPILE_TESTDATA", REPO.parent / "shared" / "testdata" / "checkpoints"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def testdata() -> Path:
+    if not TESTDATA.is_dir():
+        pytest.skip(f"producer testdata not found at {TESTDATA} (set QCOMPILE_TESTDATA)")
+    return TESTDATA
+
+
+@pytest.fixture(scope="session")
+def synth_ckpt(tmp_path_factory):
+    """synth_ckpt("modelopt-fp8") -> path of a tiny checkpoint in that format (written once per session)."""
+    from qcompile import synth
+
+    cache: dict[str, Path] = {}
+
+    def make(fmt: str) -> Path:
+        if fmt not in cache:
+            cache[fmt] = Path(synth.write_checkpoint(str(tmp_path_factory.mktemp(fmt)), fmt))
+        return cache[fmt]
+
+    return make
