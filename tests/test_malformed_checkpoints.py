@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import qcompile
-from qcompile.errors import CheckpointError, ConfigError, QCompileError, UnsupportedError
+from qcompile.errors import CheckpointError, ConfigError, UnsupportedError
 
 Q = "model.layers.0.self_attn.q_proj"
 G = "model.layers.1.mlp.gate_proj"
@@ -129,9 +129,8 @@ def test_truncated_safetensors_header(synth_ckpt, tmp_path):
     shutil.copytree(synth_ckpt("modelopt-fp8"), tmp_path / "ck")
     f = tmp_path / "ck" / "model.safetensors"
     f.write_bytes(f.read_bytes()[:100])
-    with pytest.raises((QCompileError, Exception)) as e:  # transformers may read the header first
+    with pytest.raises(CheckpointError, match="unreadable safetensors header"):
         qcompile.load(str(tmp_path / "ck"))
-    assert "safetensors" in str(e.value).lower() or "header" in str(e.value).lower()
 
 
 def test_at_least_twenty_cases():
