@@ -156,6 +156,11 @@ def _online_args(gm, node: fx.Node, online: QuantConfig, real: dict, rows: list,
     if module.rpartition(".")[2] in ROUTER_LEAVES:
         rows.append(ExplainRow(module, "bf16", "aten::linear", "bf16", "router: kept in high precision"))
         return None
+    shared = [u for u in w_node.users if u.target not in LINEAR_TARGETS]
+    if shared:  # e.g. lm_head tied to the embedding: the same tensor also feeds an embedding lookup
+        rows.append(ExplainRow(module, "bf16", "aten::linear", "bf16",
+                               f"weight shared with {shared[0].target} (tied); kept in high precision"))
+        return None
     lq = online.resolve(module, "linear")
     if lq is None:
         rows.append(ExplainRow(module, "bf16", "aten::linear", "bf16", "excluded by the online config"))
