@@ -1,0 +1,89 @@
+"""The backend as users meet it: by name without importing qcompile, options, TORCH_LOGS, the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import qcompile
+from qcompile.errors import ConfigError, UnsupportedError
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env}, cwd="/")
+
+
+def test_backend_is_listed_without_importing_qcompile():
+    r = run_python("import sys, torch; assert 'qcompile' in torch._dynamo.list_backends(); "
+                   "assert 'qcompile' not in sys.modules; print('ok')")
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_compile_by_name_without_importing_qcompile():
+    code = ("import torch\n"
+            "m = torch.nn.Linear(32, 16)\n"
+            "out = torch.compile(m, backend='qcompile', options={'inner': 'eager'})(torch.randn(2, 32))\n"
+            "assert out.shape == (2, 16); print('ok')")
+    r = run_python(code)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_torch_logs_shows_rewrites():
+    code = ("import torch\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(128, 128, dtype=torch.bfloat16))\n"
+            "torch.compile(m, backend='qcompile', options={'inner': 'eager', 'online': 'fp8_per_tensor'})"
+            "(torch.randn(2, 128, dtype=torch.bfloat16))\n")
+    r = run_python(code, TORCH_LOGS="qcompile")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "qcompile: 0 [w=fp8_e4m3/tensor;a=fp8_e4m3/dynamic/tensor] -> qcompile::fp8_linear" in r.stderr
+
+
+def test_unknown_option_is_a_clear_error():
+    with pytest.raises(ConfigError, match="unknown qcompile option"):
+        qcompile.backend(innr="eager")
+    with pytest.raises(ConfigError, match="inner compiler"):
+        qcompile.backend(inner="tvm")
+
+
+def test_kernel_override_that_cannot_run_is_an_error():
+    m = torch.nn.Sequential(torch.nn.Linear(128, 128, dtype=torch.bfloat16))
+    be = qcompile.backend(inner="eager", online="fp8_per_tensor", kernels="fp8_scaled_mm")
+    with pytest.raises(Exception) as e:  # Dynamo wraps backend errors
+        torch.compile(m, backend=be)(torch.randn(2, 128, dtype=torch.bfloat16))
+    # Dynamo wraps backend errors in BackendCompilerFailed; ours is the cause, message intact
+    cause = e.value if isinstance(e.value, UnsupportedError) else e.value.__cause__ or getattr(e.value, "inner_exception", None)
+    assert isinstance(cause, UnsupportedError), repr(e.value)
+    assert "fp8_scaled_mm" in str(cause) and "cannot run" in str(cause) and "needs a CUDA device" in str(cause)
+
+
+def test_explain_table_names_module_scheme_op_kernel_and_reason():
+    m = torch.nn.Sequential(torch.nn.Linear(128, 128, dtype=torch.bfloat16))
+    be = qcompile.backend(inner="eager", online="fp8_per_block")
+    torch.compile(m, backend=be)(torch.randn(2, 128, dtype=torch.bfloat16))
+    table = be.explain()
+    assert [c.strip() for c in table.splitlines()[0].split(" | ")][:4] == ["module", "scheme", "op", "kernel"]
+    assert "w=fp8_e4m3/block128x128;a=fp8_e4m3/dynamic/group128" in table
+    assert "needs a CUDA device" in table  # why the faster kernel was passed over, on this CPU machine
+
+
+def test_cli_run_builtin_model(capsys):
+    from qcompile.cli import main
+
+    rc = main(["run", "--inner", "aot_eager", "--max-new-tokens", "2", "--format", "ct-fp8-block"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "compiled vs eager logits" in out and "fp8_linear" in out and "generated 2 tokens" in out
+
+
+def test_cli_reports_qcompile_errors_without_a_traceback(tmp_path, capsys):
+    from qcompile.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    rc = main(["run", str(tmp_path)])
+    assert rc == 2
+    assert "qcompile: error:" in capsys.readouterr().err
