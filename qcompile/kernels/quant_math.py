@@ -34,7 +34,13 @@ def dynamic_fp8_scale(x: torch.Tensor, granularity: Granularity, group_size: int
         amax = xf.view(m, k // group_size, group_size).amax(dim=-1)
     else:
         raise AssertionError(f"activation granularity {granularity}")
-    return (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    return fp8_scale_from_amax(amax)
+
+
+def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    # Divide by a tensor: CUDA turns division by a Python scalar into a multiply by its reciprocal,
+    # 1 ulp off for about half the scales, which flips ~0.07 % of the fp8 codes vs the kernels.
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
 
 
 def expand_scale(scale: torch.Tensor, spec_granularity: Granularity, n: int, k: int,
@@ -114,14 +120,14 @@ def quantize_weight_fp8(weight: torch.Tensor, granularity: Granularity, block: i
     w = weight.float()
     n, k = w.shape
     if granularity is Granularity.TENSOR:
-        scale = (w.abs().amax() / FP8_MAX).clamp(min=MIN_SCALE)
+        scale = fp8_scale_from_amax(w.abs().amax())
         return quantize_fp8(w, scale), scale
     if granularity is Granularity.CHANNEL:
-        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
+        scale = fp8_scale_from_amax(w.abs().amax(dim=1))
         return quantize_fp8(w, scale[:, None]), scale
     if granularity is Granularity.BLOCK:
         tiles = w.view(n // block, block, k // block, block)
-        scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
+        scale = fp8_scale_from_amax(tiles.abs().amax(dim=(1, 3)))
         q = quantize_fp8(tiles, scale[:, None, :, None]).view(n, k)
         return q, scale
     raise AssertionError(f"online weight granularity {granularity}")
