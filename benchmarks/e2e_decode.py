@@ -11,6 +11,7 @@ Reports decode tokens/s, weight memory, and compiled-vs-eager logits error of th
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import tempfile
@@ -64,6 +65,7 @@ def decode(model, compile_fn, device, prompt_len: int, n_tokens: int, reps: int)
 def main(argv=None):
     import qcompile
     from qcompile import synth
+    from qcompile.linear import dequantize_model
 
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=4096)
@@ -95,28 +97,38 @@ def main(argv=None):
     # bf16 baseline: the same random weights (same seed) under plain torch.compile
     synth.write_bf16(f"{root}/bf16", cfg)
     bf16 = AutoModelForCausalLM.from_pretrained(f"{root}/bf16", dtype=torch.bfloat16).to(args.device).eval()
+    probe = torch.randint(3, cfg.vocab_size, (1, 32), device=args.device)
+    with torch.no_grad():  # control: how far inductor alone moves this random model's logits
+        e, c = bf16(probe).logits.float(), torch.compile(bf16)(probe).logits.float()
+    bf16_rel = ((c - e).norm() / e.norm()).item()
+    torch._dynamo.reset()
     mode = "reduce-overhead" if cuda else None
     tps = decode(bf16, lambda f: torch.compile(f, mode=mode), args.device, args.prompt, args.tokens, args.reps)
-    results["bf16 torch.compile" + (" reduce-overhead" if cuda else "")] = {"tok_s": tps, "weight_MiB": weight_bytes(bf16) / 2**20}
+    results["bf16 torch.compile" + (" reduce-overhead" if cuda else "")] = {
+        "tok_s": tps, "weight_MiB": weight_bytes(bf16) / 2**20, "compiled_vs_eager_rel_err": bf16_rel}
     del bf16
     if cuda:
         torch.cuda.empty_cache()
 
     model = qcompile.load(f"{root}/fp8", device=args.device).eval()
-    ids = torch.randint(3, cfg.vocab_size, (1, 32), device=args.device)
     be = qcompile.backend(cudagraphs=cuda)
     with torch.no_grad():
-        eager = model(ids).logits.float()
-        comp = torch.compile(model, backend=qcompile.backend())(ids).logits.float()
+        eager = model(probe).logits.float()
+        comp = torch.compile(model, backend=qcompile.backend())(probe).logits.float()
+        ref = dequantize_model(copy.deepcopy(model))(probe).logits.float()
     rel = ((comp - eager).norm() / eager.norm()).item()
+    rel_ref = ((comp - ref).norm() / ref.norm()).item()
+    torch._dynamo.reset()
     tps = decode(model, lambda f: torch.compile(f, backend=be), args.device, args.prompt, args.tokens, args.reps)
     results["ModelOpt FP8 qcompile" + (" cudagraphs" if cuda else "")] = {
-        "tok_s": tps, "weight_MiB": weight_bytes(model) / 2**20, "compiled_vs_eager_rel_err": rel}
+        "tok_s": tps, "weight_MiB": weight_bytes(model) / 2**20, "compiled_vs_eager_rel_err": rel,
+        "compiled_vs_dequantized_bf16_rel_err": rel_ref}
     print(be.explain().splitlines()[2])
     print(json.dumps(results, indent=2))
-    print("\n| model | decode tok/s | weight MiB |\n| --- | --- | --- |")
+    print("\n| model | decode tok/s | ms/token | weight MiB | compiled vs eager logits |\n| --- | --- | --- | --- | --- |")
     for k, v in results.items():
-        print(f"| {k} | {v['tok_s']:.0f} | {v['weight_MiB']:.0f} |")
+        print(f"| {k} | {v['tok_s']:.0f} | {1e3 / v['tok_s']:.3f} | {v['weight_MiB']:.0f} | "
+              f"{v['compiled_vs_eager_rel_err']:.3f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": cfg.to_dict(), "results": results}, f, indent=2, default=str)

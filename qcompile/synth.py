@@ -98,7 +98,8 @@ def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0) -> str:
         return path
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     amax = _calibrate(model)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tied = model.config.tie_word_embeddings
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     modelopt = fmt.startswith("modelopt")
     gran = {"modelopt-fp8": Granularity.TENSOR, "ct-fp8-static": Granularity.TENSOR,
             "modelopt-fp8-pcpt": Granularity.CHANNEL, "ct-fp8-dynamic": Granularity.CHANNEL,
