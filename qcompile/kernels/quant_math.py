@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..scheme import ActSpec, Granularity, QDtype, ScaleDtype, WeightSpec
+from ..scheme import ActSpec, Granularity, Packing, QDtype, ScaleDtype, WeightSpec
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -64,16 +64,72 @@ def scale_to_fp32(scale: torch.Tensor, dtype: ScaleDtype) -> torch.Tensor:
     return scale.float()
 
 
+# e2m1 code -> value (sign bit 3, exponent bits 2..1, mantissa bit 0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """compressed-tensors pack-quantized: [N, K*bits/32] int32 -> signed codes int32 [N, K]
+    (code j of each word at bits*j, stored with offset 2^(bits-1))."""
+    per = 32 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [N, K/per, per]
+    return codes.reshape(packed.shape[0], -1)[:, :k] - (1 << (bits - 1))
+
+
+def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`unpack_int32`: signed codes [N, K] -> [N, K*bits/32] int32."""
+    per = 32 // bits
+    u = (codes.to(torch.int64) + (1 << (bits - 1))).reshape(codes.shape[0], -1, per)
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
+    words = (u << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of the code step of :func:`unpack_e2m1`: e2m1 codes [N, K] (0..15) -> [N, K/2] uint8."""
+    c = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2)
+    return c[..., 0] | (c[..., 1] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Two e2m1 codes per byte, low nibble = even element: [N, K/2] uint8 -> fp32 values [N, K]."""
+    lut = torch.tensor(E2M1_VALUES, device=packed.device)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    return lut[codes.long()]
+
+
+def decode_weight_codes(weight: torch.Tensor, spec: WeightSpec, k: int) -> torch.Tensor:
+    """Element values (before scales) of a stored weight, fp32 [N, K]."""
+    if spec.packing is Packing.INT32:
+        return unpack_int32(weight, spec.dtype.bits, k).float()
+    if spec.packing is Packing.UINT8 and spec.dtype is QDtype.FP4_E2M1:
+        return unpack_e2m1(weight)
+    if spec.packing is Packing.NONE:
+        return weight.float()
+    raise NotImplementedError(f"reference decoding of {spec.dtype.value} weights packed as {spec.packing.value}")
+
+
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, spec: WeightSpec,
-                      global_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 [N, K] from an FP8 weight and its canonical scale (the other element types land with
-    their kernels, see docs/formats.md)."""
-    if spec.dtype is not QDtype.FP8_E4M3:
-        raise NotImplementedError(f"reference dequantization of {spec.dtype.value} weights")
-    n, k = weight.shape
-    s = expand_scale(scale_to_fp32(scale, spec.scale.dtype), spec.scale.granularity, n, k,
-                     spec.scale.group_size, spec.scale.block)
-    w = weight.float() * s
+                      global_scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None,
+                      g_idx: torch.Tensor | None = None, k: int | None = None) -> torch.Tensor:
+    """fp32 [N, K] from a stored weight and its canonical tensors: ``(q - z) * s * global``.
+    ``k`` (in_features) is needed only for packed weights whose K is not the stored width."""
+    n = weight.shape[0]
+    if k is None:
+        k = weight.shape[1] * {Packing.NONE: 1, Packing.INT32: 32 // spec.dtype.bits, Packing.UINT8: 2,
+                               Packing.UINT8_FP6: 4 / 3}[spec.packing]
+        k = int(k)
+    q = decode_weight_codes(weight, spec, k)
+    s = scale_to_fp32(scale, spec.scale.dtype)
+    gran = spec.scale.granularity
+    if g_idx is not None:  # act-order: column j uses group g_idx[j]
+        expand = lambda t: t[:, g_idx.long()]  # noqa: E731
+    else:
+        expand = lambda t: expand_scale(t, gran, n, k, spec.scale.group_size, spec.scale.block)  # noqa: E731
+    if zero_point is not None:
+        q = q - expand(zero_point.float())
+    w = q * expand(s)
     if global_scale is not None:
         w = w * global_scale.float()
     return w

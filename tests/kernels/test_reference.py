@@ -95,3 +95,49 @@ def test_requantize_to_max_scale():
 def test_dynamic_scale_never_zero():
     s = quant_math.dynamic_fp8_scale(torch.zeros(3, 128), Granularity.TOKEN)
     assert (s > 0).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int32_pack_round_trip(bits):
+    g = torch.Generator().manual_seed(bits)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    codes = torch.randint(lo, hi + 1, (16, 64), generator=g, dtype=torch.int32)
+    packed = quant_math.pack_int32(codes, bits)
+    assert packed.shape == (16, 64 * bits // 32) and packed.dtype == torch.int32
+    assert torch.equal(quant_math.unpack_int32(packed, bits, 64), codes)
+
+
+def test_e2m1_pack_round_trip_and_values():
+    codes = torch.arange(16, dtype=torch.uint8).repeat(4, 2)  # [4, 32]
+    packed = quant_math.pack_e2m1(codes)
+    assert packed.shape == (4, 16)
+    assert int(packed[0, 0]) == 0x10  # element 0 in the low nibble, element 1 in the high one
+    values = quant_math.unpack_e2m1(packed)
+    assert values[0, :16].tolist() == list(quant_math.E2M1_VALUES)
+
+
+@pytest.mark.parametrize("name,names,spec,err", [
+    # (checkpoint, (codes, scale, global or None, reciprocal global), scheme, weight error vs base)
+    ("llmcompressor-w4a16-gptq-dense", ("weight_packed", "weight_scale", None, False), "int4", 0.2),
+    ("llmcompressor-nvfp4-dense", ("weight_packed", "weight_scale", "weight_global_scale", True), "nvfp4", 0.12),
+    ("modelopt-nvfp4-dense", ("weight", "weight_scale", "weight_scale_2", False), "nvfp4", 0.12),
+    ("quark-w-mxfp4-dense", ("weight", "weight_scale", None, False), "mxfp4", 0.14),
+])
+def test_reference_dequantizes_producer_weights(testdata, name, names, spec, err):
+    """The producers' 4-bit weights dequantize back to the base model's (their conventions are right:
+    a wrong nibble order, offset or reciprocal gives >= 100 %)."""
+    from safetensors import safe_open
+
+    from qcompile.scheme import MXFP4_WEIGHT, NVFP4_WEIGHT, Packing, ScaleSpec, WeightSpec, QDtype
+    specs = {"int4": WeightSpec(QDtype.INT4, ScaleSpec(Granularity.GROUP, group_size=128), Packing.INT32),
+             "nvfp4": NVFP4_WEIGHT, "mxfp4": MXFP4_WEIGHT}
+    layer = "model.layers.0.mlp.down_proj"
+    with safe_open(str(testdata / "base-bf16-dense" / "model.safetensors"), "pt") as f:
+        base = f.get_tensor(f"{layer}.weight").float()
+    codes, scale, glob, recip = names
+    with safe_open(str(testdata / name / "model.safetensors"), "pt") as f:
+        g = f.get_tensor(f"{layer}.{glob}") if glob else None
+        g = 1.0 / g if (g is not None and recip) else g
+        w = quant_math.dequantize_weight(f.get_tensor(f"{layer}.{codes}"), f.get_tensor(f"{layer}.{scale}"),
+                                         specs[spec], g, k=base.shape[1])
+    assert ((w - base).norm() / base.norm()) < err
