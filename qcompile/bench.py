@@ -124,6 +124,20 @@ def bench_shape(args, n, k, m, dtype, weights, wbf16):
                             F.ScalingType.BlockWise128x128, output_dtype=dtype), c, r)
     # activation quantization alone (what the end-to-end rows add)
     static_scale = (x.abs().amax() / 448.0).float()
+    # the fair peers: what a user writes with torch ops (quantize x, then _scaled_mm), same recipe
+    fp8_max = torch.tensor(448.0, device=dev)
+
+    def peer_static():
+        q = (x.float() / static_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(q, wq_t.t(), static_scale, ws_t, out_dtype=dtype)
+
+    def peer_token():
+        s = (x.float().abs().amax(-1, keepdim=True) / fp8_max).clamp(min=1e-12)
+        q = (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(q, wq_c.t(), s, sb_row, out_dtype=dtype)
+
+    rows["peer: torch quant + _scaled_mm tensorwise (static x)"] = _try(peer_static, c, r)
+    rows["peer: torch quant + _scaled_mm rowwise (dynamic token)"] = _try(peer_token, c, r)
     rows["quant only: static tensor"] = _try(lambda: fq.quantize_static_tensor(x, static_scale), c, r)
     rows["quant only: dynamic tensor (2 launches)"] = _try(lambda: fq.quantize_dynamic_tensor(x), c, r)
     rows["quant only: dynamic token"] = _try(lambda: fq.quantize_dynamic_token(x), c, r)

@@ -143,3 +143,16 @@ def test_kv_cache_scales_warn(synth_ckpt, tmp_path):
         warnings.simplefilter("always")
         qcompile.load(str(tmp_path / "ck"))
     assert any("KV-cache" in str(x.message) for x in w)
+
+
+def test_inductor_on_cpu_matches_the_dequantized_reference(testdata):
+    """The default inner compiler (inductor) on the CPU, fp8 kernel op = emulated backend."""
+    torch._dynamo.reset()
+    model = qcompile.load(str(testdata / "modelopt-fp8-dense"))
+    ref = dequantize_model(copy.deepcopy(model))
+    be = qcompile.backend()
+    with torch.no_grad():
+        out = torch.compile(model, backend=be)(IDS).logits
+        want = ref(IDS).logits
+    assert {r.kernel for r in be.rows} == {"fp8_emulated"}
+    assert rel_err(out, want) < 0.15
