@@ -9,7 +9,10 @@ naming the key and the fix; it never touches tensors or kernels.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Literal
+import fnmatch
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
 
 from ..errors import ConfigError
 from ..scheme import KVCacheSpec, LayerQuant
@@ -23,6 +26,9 @@ FUSED_SHARDS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
 }
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def shard_names(module_name: str) -> list[str]:
@@ -96,3 +102,49 @@ def require_type(value: Any, types, where: str, what: str, fix: str):
         names = " or ".join(t.__name__ for t in tlist)
         raise ConfigError(f"{what} must be {names}, got {type(value).__name__} {value!r:.80}", where=where, fix=fix)
     return value
+
+
+def need(ok: bool, where: str, what: str, fix: str, error: type = ConfigError) -> None:
+    """Raise ``error`` (ConfigError: malformed; UnsupportedError: well-formed, not representable)."""
+    if not ok:
+        raise error(what, where=where, fix=fix)
+
+
+@dataclass(frozen=True)
+class NamePattern:
+    """A module-name pattern: ``re:<regex>`` (``re.match``), an fnmatch glob (only where the format
+    has them and the text holds ``*?[``), else an exact name."""
+
+    text: str
+    regex: re.Pattern | None = None
+
+    @classmethod
+    def compile(cls, text: Any, where: str, globs: bool = False) -> "NamePattern":
+        fix = 'write a module name, "re:<regex>"' + (' or an fnmatch glob' if globs else '')
+        require_type(text, str, where, "a module name pattern", fix)
+        if not text:
+            raise ConfigError("the pattern is empty", where=where, fix=fix)
+        try:
+            if text.startswith("re:"):
+                return cls(text, re.compile(text[3:]))
+            if globs and any(c in text for c in "*?["):
+                return cls(text, re.compile(fnmatch.translate(text)))
+        except (re.error, RecursionError, OverflowError) as e:
+            raise ConfigError(f"invalid pattern {text!r:.80} ({e})", where=where, fix=fix) from None
+        return cls(text)
+
+    def matches(self, name: str) -> bool:
+        return self.regex.match(name) is not None if self.regex else self.text == name
+
+
+def resolve_experts(name: str, resolve_linear: Callable[[str], LayerQuant | None]) -> LayerQuant | None:
+    """``kind="moe"`` through the experts' Linears: every producer saves MoE experts per expert
+    (``experts.<e>.{gate,up,down}_proj``), so ``name`` resolves as expert 0's three projections do
+    (vLLM's ``get_moe_method``; Mixtral-style ``w1`` / ``w2`` / ``w3`` names are not probed). They
+    must agree, as one fused kernel runs them all."""
+    found = {p: resolve_linear(f"{name}.0.{p}") for p in EXPERT_PROJECTIONS}
+    if len({lq.scheme.key if lq else None for lq in found.values()}) > 1:
+        detail = ", ".join(f"{p}: {lq.scheme.key if lq else 'unquantized'}" for p, lq in found.items())
+        raise ConfigError(f"the expert projections resolve to different quantization ({detail})", where=name,
+                          fix="give gate_proj, up_proj and down_proj of the experts one scheme (targets / ignore)")
+    return found[EXPERT_PROJECTIONS[0]]

@@ -45,19 +45,16 @@ checkpoints and ``quantization_status`` other than ``compressed``.
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from ..errors import ConfigError, UnsupportedError
+from ..errors import UnsupportedError
 from ..scheme import (ActSpec, Granularity, KVCacheSpec, LayerQuant, Packing, QDtype, QuantScheme, ScaleDtype,
                       ScaleSpec, TensorSpec, WeightSpec, mx_act)
-from .base import ModuleKind, QuantConfig, require_type, shard_names
+from .base import ModuleKind, NamePattern, QuantConfig, need, require_type, resolve_experts, shard_names
 
 ROOT = "quantization_config"
 LINEAR_CLASS = "Linear"  # the class-name target an HF nn.Linear matches (its MRO: Linear, Module)
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 # format -> (name of the weight codes on disk, packing); None / "dense": weights stored unquantized.
 FORMATS = {
@@ -93,52 +90,6 @@ ZP_DTYPES = ("int8", "uint8", "int16", "int32", "int64", "float8_e4m3fn", "bfloa
 
 
 # -- shared with the Quark and online parsers ----------------------------------------------------
-
-def need(ok: bool, where: str, what: str, fix: str, error: type = ConfigError) -> None:
-    """Raise ``error`` (ConfigError: malformed; UnsupportedError: well-formed, not representable)."""
-    if not ok:
-        raise error(what, where=where, fix=fix)
-
-
-@dataclass(frozen=True)
-class NamePattern:
-    """A module-name pattern: ``re:<regex>`` (``re.match``), an fnmatch glob (only where the format
-    has them and the text holds ``*?[``), else an exact name."""
-
-    text: str
-    regex: re.Pattern | None = None
-
-    @classmethod
-    def compile(cls, text: Any, where: str, globs: bool = False) -> "NamePattern":
-        fix = 'write a module name, "re:<regex>"' + (' or an fnmatch glob' if globs else '')
-        require_type(text, str, where, "a module name pattern", fix)
-        if not text:
-            raise ConfigError("the pattern is empty", where=where, fix=fix)
-        try:
-            if text.startswith("re:"):
-                return cls(text, re.compile(text[3:]))
-            if globs and any(c in text for c in "*?["):
-                return cls(text, re.compile(fnmatch.translate(text)))
-        except (re.error, RecursionError, OverflowError) as e:
-            raise ConfigError(f"invalid pattern {text!r:.80} ({e})", where=where, fix=fix) from None
-        return cls(text)
-
-    def matches(self, name: str) -> bool:
-        return self.regex.match(name) is not None if self.regex else self.text == name
-
-
-def resolve_experts(name: str, resolve_linear: Callable[[str], LayerQuant | None]) -> LayerQuant | None:
-    """``kind="moe"`` through the experts' Linears: every producer saves MoE experts per expert
-    (``experts.<e>.{gate,up,down}_proj``), so ``name`` resolves as expert 0's three projections do
-    (vLLM's ``get_moe_method``; Mixtral-style ``w1`` / ``w2`` / ``w3`` names are not probed). They
-    must agree, as one fused kernel runs them all."""
-    found = {p: resolve_linear(f"{name}.0.{p}") for p in EXPERT_PROJECTIONS}
-    if len({lq.scheme.key if lq else None for lq in found.values()}) > 1:
-        detail = ", ".join(f"{p}: {lq.scheme.key if lq else 'unquantized'}" for p, lq in found.items())
-        raise ConfigError(f"the expert projections resolve to different quantization ({detail})", where=name,
-                          fix="give gate_proj, up_proj and down_proj of the experts one scheme (targets / ignore)")
-    return found[EXPERT_PROJECTIONS[0]]
-
 
 # -- the parsed config ---------------------------------------------------------------------------
 

@@ -22,8 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..scheme import LayerQuant, QuantScheme, TensorSpec, fp8_scheme
-from .base import ModuleKind, QuantConfig, require_type, shard_names
-from .compressed_tensors import NamePattern, need, resolve_experts
+from .base import ModuleKind, NamePattern, QuantConfig, need, require_type, resolve_experts, shard_names
 
 ROOT = "quantization_config"
 SCHEMES = ("fp8_per_tensor", "fp8_per_block")

@@ -50,8 +50,7 @@ from typing import Any
 from ..errors import UnsupportedError
 from ..scheme import (ActSpec, Granularity, KVCacheSpec, LayerQuant, Packing, QDtype, QuantScheme,
                       ScaleDtype, ScaleSpec, TensorSpec, WeightSpec, mx_act)
-from .base import ModuleKind, QuantConfig, require_type, shard_names
-from .compressed_tensors import NamePattern, need, resolve_experts
+from .base import ModuleKind, NamePattern, QuantConfig, need, require_type, resolve_experts, shard_names
 
 ROOT = "quantization_config"
 DTYPES = {"fp8_e4m3": QDtype.FP8_E4M3, "int8": QDtype.INT8, "fp4": QDtype.FP4_E2M1,
