@@ -116,12 +116,32 @@ class QuantLinear(nn.Module):
             mod._disk_names[spec.role] = spec.name
         return mod
 
+    # -- 2. loading ------------------------------------------------------------------------------
+    def __setattr__(self, name, value):
+        # Online layers quantize the moment transformers hands over their bf16 weight, so loading
+        # never holds more than one layer's bf16 copy.
+        lq = self.__dict__.get("lq")
+        if (lq is not None and lq.online and name == "weight" and isinstance(value, torch.Tensor)
+                and value.device.type != "meta" and value.dtype in FLOATS):
+            with torch.no_grad():
+                for role, t in self._quantize_online(value.data).items():
+                    super().__setattr__(role, _param(t))
+            return
+        super().__setattr__(name, value)
+
     # -- 3. finalize -----------------------------------------------------------------------------
     @torch.no_grad()
     def finalize(self) -> None:
         if self.finalized:
             return
         n, k, lq = self.out_features, self.in_features, self.lq
+        if lq.online:  # quantized when loaded (__setattr__)
+            if self.weight.device.type == "meta":
+                raise CheckpointError(f"tensor {self.name}.weight was not loaded", where=self.name,
+                                      fix="the checkpoint index lists it but no shard held it; check the shards")
+            self._disk_names.clear()
+            self.finalized = True
+            return
         canonical: dict[str, torch.Tensor] = {}
         for spec in lq.tensors:
             attr = self._disk_names.get(spec.role)
@@ -132,9 +152,6 @@ class QuantLinear(nn.Module):
                 raise CheckpointError(f"tensor {self.name}.{spec.name} was not loaded", where=self.name,
                                       fix="the checkpoint index lists it but no shard held it; check the shards")
             delattr(self, attr)
-            if spec.role == "weight" and lq.online:
-                canonical["weight"] = t
-                continue
             t = t.reshape(canonical_shape(spec.role, lq.scheme, n, k))
             if t.dtype in FLOATS:
                 t = t.float()
@@ -142,8 +159,6 @@ class QuantLinear(nn.Module):
                 if spec.reciprocal:
                     t = 1.0 / t
             canonical[spec.role] = t.contiguous()
-        if lq.online:
-            canonical.update(self._quantize_online(canonical.pop("weight")))
         for role, t in canonical.items():
             setattr(self, role, _param(t))
         self._disk_names.clear()

@@ -156,3 +156,21 @@ def test_inductor_on_cpu_matches_the_dequantized_reference(testdata):
         want = ref(IDS).logits
     assert {r.kernel for r in be.rows} == {"fp8_emulated"}
     assert rel_err(out, want) < 0.15
+
+
+def test_online_layers_quantize_as_their_weight_arrives():
+    """Loading never holds more than one layer's bf16 weight: the swap happens in __setattr__."""
+    from qcompile.formats import parse_quant_config
+    from qcompile.formats.online import online_config
+
+    lq = parse_quant_config(online_config("fp8_per_block")).resolve("model.layers.0.mlp.up_proj")
+    linear = torch.nn.Linear(256, 512, bias=False, device="meta", dtype=torch.bfloat16)
+    name = "model.layers.0.mlp.up_proj"
+    mod = QuantLinear.plan(linear, name, lq, {f"{name}.weight": (torch.bfloat16, (512, 256))})
+    w = torch.randn(512, 256, dtype=torch.bfloat16)
+    setattr(mod, "weight", torch.nn.Parameter(w, requires_grad=False))  # what transformers does
+    assert mod.weight.dtype == torch.float8_e4m3fn and mod.weight_scale.shape == (4, 2)
+    mod.finalize()
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    rel = (mod(x).float() - x.float() @ w.float().t()).norm() / (x.float() @ w.float().t()).norm()
+    assert rel < 0.1
