@@ -57,14 +57,18 @@ class QCompileBackend:
         self.options = Options.make(options)
         self._rows: dict = {}  # module -> ExplainRow (a recompile of the same graph replaces its rows)
         self._online = None
+        self._by_options: dict[str, QCompileBackend] = {}
         if self.options.online is not None:
             from .formats import parse_quant_config
             from .formats.online import online_config
             self._online = parse_quant_config(online_config(self.options.online, ignore=self.options.ignore))
 
     def __call__(self, gm, example_inputs, options: dict | None = None, **kwargs):
-        if options:  # torch.compile(..., backend="qcompile", options={...})
-            return QCompileBackend(**{**self._given(), **options})(gm, example_inputs)
+        if options:  # torch.compile(..., backend="qcompile", options={...}): one instance per options
+            key = repr(sorted(options.items()))
+            if key not in self._by_options:
+                self._by_options[key] = QCompileBackend(**{**self._given(), **options})
+            return self._by_options[key](gm, example_inputs)
         from .passes.linear import lower_linears
 
         before = gm.code if self.options.on_graph else None
