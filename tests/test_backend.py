@@ -14,14 +14,16 @@ from qcompile.errors import ConfigError, UnsupportedError
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **env}, cwd="/")
+    """Run ``code`` in a fresh interpreter with ``env`` added; it must exit 0."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **env}, cwd="/")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r
 
 
 def test_backend_is_listed_without_importing_qcompile():
-    r = run_python("import sys, torch; assert 'qcompile' in torch._dynamo.list_backends(); "
-                   "assert 'qcompile' not in sys.modules; print('ok')")
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+    assert "ok" in run_python("import sys, torch; assert 'qcompile' in torch._dynamo.list_backends(); "
+                              "assert 'qcompile' not in sys.modules; print('ok')").stdout
 
 
 def test_compile_by_name_without_importing_qcompile():
@@ -29,8 +31,7 @@ def test_compile_by_name_without_importing_qcompile():
             "m = torch.nn.Linear(32, 16)\n"
             "out = torch.compile(m, backend='qcompile', options={'inner': 'eager'})(torch.randn(2, 32))\n"
             "assert out.shape == (2, 16); print('ok')")
-    r = run_python(code)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+    assert "ok" in run_python(code).stdout
 
 
 def test_torch_logs_shows_rewrites():
@@ -39,7 +40,6 @@ def test_torch_logs_shows_rewrites():
             "torch.compile(m, backend='qcompile', options={'inner': 'eager', 'online': 'fp8_per_tensor'})"
             "(torch.randn(2, 128, dtype=torch.bfloat16))\n")
     r = run_python(code, TORCH_LOGS="qcompile")
-    assert r.returncode == 0, r.stderr[-2000:]
     assert "qcompile: 0 [w=fp8_e4m3/tensor;a=fp8_e4m3/dynamic/tensor] -> qcompile::fp8_linear" in r.stderr
 
 

@@ -6,18 +6,20 @@ from __future__ import annotations
 import copy
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from qcompile.errors import ConfigError, QCompileError, UnsupportedError
+from qcompile.errors import ConfigError, UnsupportedError
 from qcompile.formats import parse_quant_config
 from qcompile.formats.compressed_tensors import CompressedTensorsConfig, parse
 from qcompile.scheme import (MXFP4_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, ActSpec, Granularity, KVCacheSpec, Packing,
                              QDtype, QuantScheme, ScaleDtype, ScaleSpec, WeightSpec, canonical_shape, fp8_scheme,
                              mx_act, shape_matches)
+from tests.formats import fuzz
 
 TESTDATA = Path(os.environ.get("QCOMPILE_TESTDATA",
                                Path(__file__).resolve().parents[3] / "shared" / "testdata" / "checkpoints"))
@@ -405,51 +407,17 @@ def test_duplicate_target_across_groups():
 KEYS = ["quant_method", "format", "config_groups", "ignore", "kv_cache_scheme", "targets", "weights",
         "input_activations", "output_activations", "num_bits", "type", "strategy", "group_size", "dynamic",
         "symmetric", "actorder", "block_structure", "scale_dtype", "quantization_status", "sparsity_config"]
-json_scalars = st.none() | st.booleans() | st.integers(-300, 300) | st.floats(allow_nan=True) | st.sampled_from(
-    ["Linear", "re:.*", "re:(", "float", "int", "group", "tensor_group", "block", "token", "local", "static",
-     "pack-quantized", "float-quantized", "nvfp4-pack-quantized", "mixed-precision", "torch.uint8", "128x128"]
-) | st.text(max_size=6)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-    st.sampled_from(KEYS) | st.text(max_size=6), inner, max_size=5), max_leaves=20)
+WORDS = ["Linear", "re:.*", "re:(", "float", "int", "group", "tensor_group", "block", "token", "local", "static",
+         "pack-quantized", "float-quantized", "nvfp4-pack-quantized", "mixed-precision", "torch.uint8", "128x128"]
+json_values = fuzz.json_values(KEYS, WORDS)
 PROBES = [f"{L0}.self_attn.q_proj", f"{L0}.self_attn.qkv_proj", f"{L0}.mlp.gate_up_proj", "lm_head", "Linear"]
-FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+exercise = partial(fuzz.exercise, parse, probes=PROBES, moe_probe=f"{L0}.mlp.experts")
 
 
-def exercise(config):
-    try:
-        cfg = parse(config)
-        cfg.describe()
-        for probe in PROBES:
-            try:
-                cfg.resolve(probe)
-            except QCompileError:
-                pass
-        cfg.resolve(f"{L0}.mlp.experts", "moe")
-    except QCompileError as e:
-        assert str(e)
-
-
-@FUZZ
-@given(st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8), json_values, max_size=6))
+@fuzz.FUZZ
+@given(fuzz.config_dicts(KEYS, json_values))
 def test_fuzz_arbitrary_dicts(config):
     exercise(config)
-
-
-def mutate(data, value, depth=0):
-    """Replace, delete or add one key somewhere in ``value``."""
-    if isinstance(value, dict) and value and depth < 5 and data.draw(st.booleans()):
-        key = data.draw(st.sampled_from(sorted(value)))
-        return {**value, key: mutate(data, value[key], depth + 1)}
-    if isinstance(value, list) and value and depth < 5 and data.draw(st.booleans()):
-        i = data.draw(st.integers(0, len(value) - 1))
-        return value[:i] + [mutate(data, value[i], depth + 1)] + value[i + 1:]
-    action = data.draw(st.sampled_from(["replace", "delete", "add"]))
-    if action == "delete" and isinstance(value, dict) and value:
-        key = data.draw(st.sampled_from(sorted(value)))
-        return {k: v for k, v in value.items() if k != key}
-    if action == "add" and isinstance(value, dict):
-        return {**value, data.draw(st.sampled_from(KEYS)): data.draw(json_values)}
-    return data.draw(json_values)
 
 
 def seeds():
@@ -463,10 +431,7 @@ def seeds():
 SEEDS = seeds()
 
 
-@FUZZ
+@fuzz.FUZZ
 @given(st.data())
 def test_fuzz_mutated_configs(data):
-    config = data.draw(st.sampled_from(SEEDS))
-    for _ in range(data.draw(st.integers(1, 3))):
-        config = mutate(data, config)
-    exercise(config)
+    exercise(fuzz.draw_mutated(data, SEEDS, KEYS, json_values, max_depth=5))

@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qcompile.errors import ConfigError
@@ -16,6 +17,7 @@ from qcompile.formats import parse_quant_config
 from qcompile.formats.modelopt import LAYER_QUANTS, ModelOptConfig, parse, split_subtree_patterns
 from qcompile.scheme import (MXFP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, Packing, QDtype, QuantScheme, canonical_shape,
                              fp8_scheme, mx_act, shape_matches)
+from tests.formats import fuzz
 
 TESTDATA = Path(os.environ.get("QCOMPILE_TESTDATA",
                                Path(__file__).resolve().parents[3] / "shared" / "testdata" / "checkpoints"))
@@ -375,10 +377,7 @@ KEYS = ["quantization", "quant_algo", "kv_cache_quant_algo", "exclude_modules", 
         "quantized_layers", "kv_cache_scheme", "type", "num_bits", "quant_method", "producer"]
 ALGO_WORDS = ["FP8", "fp8", "NVFP4", "W4A16_NVFP4", "MXFP8", "FP8_PB_WO", "FP8_PER_CHANNEL_PER_TOKEN",
               "MIXED_PRECISION", "float", "lm_head", "*", "x*", "", f"{ATTN}.q_proj", "model.layers.0.mlp.experts"]
-scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.sampled_from(ALGO_WORDS) | st.text(max_size=12)
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8), inner, max_size=5),
-                           max_leaves=20)
+json_values = fuzz.json_values(KEYS, ALGO_WORDS, ints=(-2**70, 2**70), text_size=12, key_size=8)
 
 SEEDS = [legacy(a) for a in ALGOS] + [cfgjson(a) for a in ALGOS] + [
     cfgjson("MIXED_PRECISION", quantized_layers=MIXED_LAYERS, kv_cache_scheme={"type": "float", "num_bits": 8})]
@@ -390,61 +389,23 @@ for _ckpt in REAL:
 PROBES = [f"{ATTN}.q_proj", f"{ATTN}.qkv_proj", "model.layers.0.mlp.gate_up_proj", "lm_head",
           "model.vision_tower.x", "model.layers.0.mlp.experts.0.gate_proj"]
 
-
-def exercise(config):
-    """parse + resolve; returns normally or raises ConfigError, never anything else."""
-    try:
-        cfg = parse(config)
-    except ConfigError:
-        return
-    cfg.describe()
-    for probe in PROBES:
-        try:
-            cfg.resolve(probe)
-        except ConfigError:
-            pass
-    try:
-        cfg.resolve("model.layers.0.mlp.experts", "moe")
-    except ConfigError:
-        pass
+# parse + resolve; returns normally or raises ConfigError, never anything else
+exercise = partial(fuzz.exercise, parse, probes=PROBES, moe_probe="model.layers.0.mlp.experts", errors=ConfigError)
 
 
-FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@FUZZ
-@given(st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8), json_values, max_size=6))
+@fuzz.FUZZ
+@given(fuzz.config_dicts(KEYS, json_values))
 def test_fuzz_arbitrary_dicts(config):
     exercise(config)
 
 
-@FUZZ
+@fuzz.FUZZ
 @given(json_values)
 def test_fuzz_arbitrary_json(config):
     exercise(config)
 
 
-def mutate(data, value, depth=0):
-    """Replace, delete or add one key somewhere in ``value`` (a deep copy)."""
-    if isinstance(value, dict) and value and depth < 4 and data.draw(st.booleans()):
-        key = data.draw(st.sampled_from(sorted(value)))
-        return {**value, key: mutate(data, value[key], depth + 1)}
-    if isinstance(value, list) and value and depth < 4 and data.draw(st.booleans()):
-        i = data.draw(st.integers(0, len(value) - 1))
-        return value[:i] + [mutate(data, value[i], depth + 1)] + value[i + 1:]
-    action = data.draw(st.sampled_from(["replace", "delete", "add"]))
-    if action == "delete" and isinstance(value, dict) and value:
-        key = data.draw(st.sampled_from(sorted(value)))
-        return {k: v for k, v in value.items() if k != key}
-    if action == "add" and isinstance(value, dict):
-        return {**value, data.draw(st.sampled_from(KEYS)): data.draw(json_values)}
-    return data.draw(json_values)
-
-
-@FUZZ
+@fuzz.FUZZ
 @given(st.data())
 def test_fuzz_mutated_real_configs(data):
-    config = data.draw(st.sampled_from(SEEDS))
-    for _ in range(data.draw(st.integers(1, 3))):
-        config = mutate(data, config)
-    exercise(config)
+    exercise(fuzz.draw_mutated(data, SEEDS, KEYS, json_values, max_depth=4))

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qcompile.errors import ConfigError, QCompileError
 from qcompile.formats import parse_quant_config
 from qcompile.formats.online import DEFAULT_IGNORE, OnlineConfig, online_config, parse
 from qcompile.scheme import ActSpec, Granularity, QDtype, QuantScheme, ScaleSpec, WeightSpec, fp8_scheme
+from tests.formats import fuzz
 
 L0 = "model.layers.0"
 
@@ -94,37 +96,26 @@ def test_malformed(config, key):
 
 
 KEYS = ["quant_method", "scheme", "ignore", "block_size"]
-json_scalars = st.none() | st.booleans() | st.integers(-300, 300) | st.floats(allow_nan=True) | st.sampled_from(
-    ["online", "fp8_per_tensor", "fp8_per_block", "lm_head", "re:(", "re:.*", "*", "[", "*proj"]) | st.text(max_size=6)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-    st.sampled_from(KEYS) | st.text(max_size=6), inner, max_size=4), max_leaves=12)
-FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+WORDS = ["online", "fp8_per_tensor", "fp8_per_block", "lm_head", "re:(", "re:.*", "*", "[", "*proj"]
+json_scalars = fuzz.json_scalars(WORDS)
+json_values = fuzz.json_values(KEYS, WORDS, dict_size=4, max_leaves=12)
+PROBES = [f"{L0}.self_attn.qkv_proj", "lm_head", f"{L0}.mlp.down_proj"]
+exercise = partial(fuzz.exercise, parse, probes=PROBES, moe_probe=f"{L0}.mlp.experts")
 
 
-def exercise(config):
-    try:
-        cfg = parse(config)
-        cfg.describe()
-        for probe in (f"{L0}.self_attn.qkv_proj", "lm_head", f"{L0}.mlp.down_proj"):
-            cfg.resolve(probe)
-        cfg.resolve(f"{L0}.mlp.experts", "moe")
-    except QCompileError as e:
-        assert str(e)
-
-
-@FUZZ
-@given(st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=6), json_values, max_size=5))
+@fuzz.FUZZ
+@given(fuzz.config_dicts(KEYS, json_values, key_size=6, max_size=5))
 def test_fuzz_arbitrary_dicts(config):
     exercise(config)
 
 
-@FUZZ
+@fuzz.FUZZ
 @given(st.sampled_from([online_config(), online_config("fp8_per_block")]), st.sampled_from(KEYS), json_values)
 def test_fuzz_mutated_configs(config, key, value):
     exercise({**config, key: value})
 
 
-@FUZZ
+@fuzz.FUZZ
 @given(st.sampled_from(["fp8_per_tensor", "fp8_per_block"]), st.lists(json_scalars, max_size=4),
        st.integers(-2, 300))
 def test_fuzz_online_config(scheme, ignore, block_size):

@@ -5,18 +5,20 @@ from __future__ import annotations
 import copy
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from qcompile.errors import ConfigError, QCompileError, UnsupportedError
+from qcompile.errors import ConfigError, UnsupportedError
 from qcompile.formats import parse_quant_config
 from qcompile.formats.quark import QuarkConfig, parse
 from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, ActSpec, Granularity, KVCacheSpec, Packing, QDtype,
                              QuantScheme, ScaleDtype, ScaleSpec, WeightSpec, canonical_shape, fp8_scheme, mx_act,
                              shape_matches)
+from tests.formats import fuzz
 
 TESTDATA = Path(os.environ.get("QCOMPILE_TESTDATA",
                                Path(__file__).resolve().parents[3] / "shared" / "testdata" / "checkpoints"))
@@ -310,59 +312,24 @@ def test_malformed(config, error, key):
 KEYS = ["quant_method", "global_quant_config", "layer_quant_config", "layer_type_quant_config", "exclude", "export",
         "kv_cache_quant_config", "kv_cache_group", "weight", "input_tensors", "output_tensors", "bias", "dtype",
         "qscheme", "group_size", "is_dynamic", "symmetric", "scale_format", "ch_axis", "Linear", "weight_format"]
-json_scalars = st.none() | st.booleans() | st.integers(-100, 100) | st.floats(allow_nan=True) | st.sampled_from(
-    ["fp4", "fp8_e4m3", "int8", "fp6_e2m3", "uint8", "mx", "per_group", "per_tensor", "per_channel", "e8m0", "*",
-     "*k_proj", "re:(", "lm_head", "real_quantized"]) | st.text(max_size=6)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-    st.sampled_from(KEYS) | st.text(max_size=6), inner, max_size=5), max_leaves=20)
+WORDS = ["fp4", "fp8_e4m3", "int8", "fp6_e2m3", "uint8", "mx", "per_group", "per_tensor", "per_channel", "e8m0", "*",
+         "*k_proj", "re:(", "lm_head", "real_quantized"]
+json_values = fuzz.json_values(KEYS, WORDS, ints=(-100, 100))
 PROBES = [f"{L0}.self_attn.q_proj", f"{L0}.self_attn.qkv_proj", f"{L0}.mlp.gate_up_proj", "lm_head"]
-FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+exercise = partial(fuzz.exercise, parse, probes=PROBES, moe_probe=f"{L0}.mlp.experts")
 
 
-def exercise(config):
-    try:
-        cfg = parse(config)
-        cfg.describe()
-        for probe in PROBES:
-            try:
-                cfg.resolve(probe)
-            except QCompileError:
-                pass
-        cfg.resolve(f"{L0}.mlp.experts", "moe")
-    except QCompileError as e:
-        assert str(e)
-
-
-@FUZZ
-@given(st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8), json_values, max_size=6))
+@fuzz.FUZZ
+@given(fuzz.config_dicts(KEYS, json_values))
 def test_fuzz_arbitrary_dicts(config):
     exercise(config)
-
-
-def mutate(data, value, depth=0):
-    if isinstance(value, dict) and value and depth < 5 and data.draw(st.booleans()):
-        key = data.draw(st.sampled_from(sorted(value)))
-        return {**value, key: mutate(data, value[key], depth + 1)}
-    if isinstance(value, list) and value and depth < 5 and data.draw(st.booleans()):
-        i = data.draw(st.integers(0, len(value) - 1))
-        return value[:i] + [mutate(data, value[i], depth + 1)] + value[i + 1:]
-    action = data.draw(st.sampled_from(["replace", "delete", "add"]))
-    if action == "delete" and isinstance(value, dict) and value:
-        key = data.draw(st.sampled_from(sorted(value)))
-        return {k: v for k, v in value.items() if k != key}
-    if action == "add" and isinstance(value, dict):
-        return {**value, data.draw(st.sampled_from(KEYS)): data.draw(json_values)}
-    return data.draw(json_values)
 
 
 SEEDS = [SCHEMES[k][0] for k in sorted(SCHEMES)] + [kv_config(), legacy_kv_config()] + (
     [real()] if (TESTDATA / "quark-w-mxfp4-dense").is_dir() else [])
 
 
-@FUZZ
+@fuzz.FUZZ
 @given(st.data())
 def test_fuzz_mutated_configs(data):
-    config = data.draw(st.sampled_from(SEEDS))
-    for _ in range(data.draw(st.integers(1, 3))):
-        config = mutate(data, config)
-    exercise(config)
+    exercise(fuzz.draw_mutated(data, SEEDS, KEYS, json_values, max_depth=5))

@@ -61,9 +61,14 @@ def compile_and_diff(model, **options):
     return out, _graph_diff(*graphs[0]), be
 
 
+def load_and_diff(one_layer, fmt, **options):
+    """compile_and_diff of the one-layer checkpoint in ``fmt``, loaded with qcompile.load: (diff, backend)."""
+    _, diff, be = compile_and_diff(qcompile.load(str(one_layer(fmt))), **options)
+    return diff, be
+
+
 def test_modelopt_fp8_per_tensor(one_layer):
-    model = qcompile.load(str(one_layer("modelopt-fp8")))
-    out, diff, be = compile_and_diff(model)
+    diff, be = load_and_diff(one_layer, "modelopt-fp8")
     assert_expected_inline(diff, """\
 -linear_ref = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, None, None, model.layers.0.self_attn.q_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
 -linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, None, None, None, model.layers.0.self_attn.k_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
@@ -83,8 +88,7 @@ def test_modelopt_fp8_per_tensor(one_layer):
 
 
 def test_modelopt_fp8_per_channel_per_token(one_layer):
-    model = qcompile.load(str(one_layer("modelopt-fp8-pcpt")))
-    out, diff, be = compile_and_diff(model)
+    diff, be = load_and_diff(one_layer, "modelopt-fp8-pcpt")
     assert_expected_inline(diff, """\
 -linear_ref = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
 -linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
@@ -103,8 +107,7 @@ def test_modelopt_fp8_per_channel_per_token(one_layer):
 
 
 def test_modelopt_fp8_block(one_layer):
-    model = qcompile.load(str(one_layer("modelopt-fp8-pbwo")))
-    out, diff, be = compile_and_diff(model)
+    diff, be = load_and_diff(one_layer, "modelopt-fp8-pbwo")
     assert_expected_inline(diff, """\
 -linear_ref = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/block128x128;a=fp8_e4m3/dynamic/group128')
 -linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/block128x128;a=fp8_e4m3/dynamic/group128')
@@ -123,8 +126,7 @@ def test_modelopt_fp8_block(one_layer):
 
 
 def test_compressed_tensors_fp8_static(one_layer):
-    model = qcompile.load(str(one_layer("ct-fp8-static")))
-    out, diff, be = compile_and_diff(model)
+    diff, be = load_and_diff(one_layer, "ct-fp8-static")
     assert_expected_inline(diff, """\
 -linear_ref = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, None, None, model.layers.0.self_attn.q_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
 -linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, None, None, None, model.layers.0.self_attn.k_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
@@ -187,8 +189,7 @@ def test_online_fp8_per_tensor_at_compile_time(one_layer):
 
 
 def test_kernel_override_to_reference_leaves_the_reference_op(one_layer):
-    model = qcompile.load(str(one_layer("modelopt-fp8")))
-    out, diff, be = compile_and_diff(model, kernels="reference")
+    diff, be = load_and_diff(one_layer, "modelopt-fp8", kernels="reference")
     assert diff == ""  # nothing rewritten: the graph already holds the reference op
     assert {r.kernel for r in be.rows} == {"reference"}
 
