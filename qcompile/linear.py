@@ -153,6 +153,13 @@ class QuantLinear(nn.Module):
                                       fix="the checkpoint index lists it but no shard held it; check the shards")
             delattr(self, attr)
             t = t.reshape(canonical_shape(spec.role, lq.scheme, n, k))
+            if spec.role == "weight_shape":  # compressed-tensors' record of the unpacked shape
+                if t.tolist() != [n, k]:
+                    raise CheckpointError(f"tensor {self.name}.{spec.name} says {t.tolist()}, the layer is [{n}, {k}]",
+                                          where=self.name, fix="the checkpoint does not match the model config")
+                continue
+            if t.dtype == torch.float8_e4m3fn:  # NVFP4 block scales: zero is legal (an all-zero block)
+                _check_finite(t.float(), self.name, spec.name)
             if t.dtype in FLOATS:
                 t = t.float()
                 _check_finite_positive(t, self.name, spec.name)
@@ -216,7 +223,9 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> n
         if not isinstance(mod, QuantLinear):
             continue
         w = quant_math.dequantize_weight(mod.weight, mod.weight_scale, mod.lq.scheme.weight,
-                                         getattr(mod, "weight_global_scale", None))
+                                         getattr(mod, "weight_global_scale", None),
+                                         getattr(mod, "weight_zero_point", None), getattr(mod, "weight_g_idx", None),
+                                         k=mod.in_features)
         lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device=w.device, dtype=dtype)
         lin.weight.copy_(w.to(dtype))
         if mod.bias is not None:

@@ -116,17 +116,39 @@ def test_online_fp8_of_bf16_checkpoint(testdata, online, scheme):
         assert rel_err(out, base(IDS).logits) < 0.2
 
 
-@pytest.mark.parametrize("name,layer", [
-    ("modelopt-nvfp4-dense", "model.layers.0.self_attn.q_proj"),
-    ("llmcompressor-nvfp4-dense", "model.layers.0.self_attn.q_proj"),
-    ("llmcompressor-w4a16-gptq-dense", "model.layers.0.self_attn.q_proj"),
-    ("quark-w-mxfp4-dense", "model.layers.0.self_attn.q_proj"),
-    ("modelopt-fp8-moe", "model.layers.0.mlp.experts"),
+@pytest.mark.parametrize("name,scheme,tol", [
+    # weight-only: eager (fp32 math on the dequantized weight) vs the bf16 dequantized model
+    ("llmcompressor-w4a16-gptq-dense", "w=int4/group128/pack=int32;a=none", 0.03),
+    ("quark-w-mxfp4-dense", "w=fp4_e2m1/group32:e8m0/pack=uint8;a=none", 0.03),
+    # W4A4: the reference quantize-dequantizes activations to NVFP4 (e2m1 keeps 1 mantissa bit)
+    ("modelopt-nvfp4-dense", "w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global", 0.35),
+    ("llmcompressor-nvfp4-dense", "w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global", 0.35),
 ])
-def test_formats_not_runnable_yet_are_refused(testdata, name, layer):
+def test_4bit_producer_checkpoints_run_the_reference(testdata, name, scheme, tol):
+    """4-bit formats keep their packed storage and run the reference op (kernels: issue #3)."""
+    model = qcompile.load(str(testdata / name))
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, QuantLinear) and q.scheme_key == scheme
+    assert q.weight.dtype in (torch.uint8, torch.int32) and q.weight.numel() == 256 * 256 // (8 if q.weight.dtype == torch.int32 else 2)
+    ref = dequantize_model(copy.deepcopy(model))
+    with torch.no_grad():
+        assert rel_err(model(IDS).logits, ref(IDS).logits) < tol
+
+
+def test_modelopt_and_compressed_tensors_nvfp4_agree(testdata):
+    """Same base model, same algorithm, opposite global-scale conventions: same weights."""
+    a = qcompile.load(str(testdata / "modelopt-nvfp4-dense"))
+    b = qcompile.load(str(testdata / "llmcompressor-nvfp4-dense"))
+    wa = dequantize_model(a).model.layers[0].mlp.down_proj.weight.float()
+    wb = dequantize_model(b).model.layers[0].mlp.down_proj.weight.float()
+    # 3 % seen: the two producers round block scales differently; a convention bug gives >= 100 %
+    assert ((wa - wb).norm() / wb.norm()) < 0.05
+
+
+def test_quantized_moe_experts_are_refused(testdata):
     with pytest.raises(qcompile.UnsupportedError) as e:
-        qcompile.load(str(testdata / name))
-    assert layer in str(e.value)
+        qcompile.load(str(testdata / "modelopt-fp8-moe"))
+    assert "model.layers.0.mlp.experts" in str(e.value)
 
 
 def test_kv_cache_scales_warn(synth_ckpt, tmp_path):

@@ -153,6 +153,43 @@ def quantize_activation(x: torch.Tensor, act: ActSpec, input_scale: torch.Tensor
     return q, scale
 
 
+# e2m1 rounding: magnitudes, midpoints between them, and which midpoints round up (ties to even mantissa)
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIE_UP = (False, True, False, True, False, True, False)
+
+
+def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to the nearest e2m1 value (saturating at +-6, ties to even), as fp32."""
+    mids = torch.tensor(_E2M1_MIDPOINTS, device=v.device)
+    a = v.abs().clamp(max=6.0)
+    idx = torch.bucketize(a, mids)  # ties go down
+    tie_up = torch.tensor(_E2M1_TIE_UP, device=v.device)
+    at_mid = (idx < len(mids)) & (a == mids[idx.clamp(max=len(mids) - 1)])
+    idx = idx + (at_mid & tie_up[idx.clamp(max=len(mids) - 1)]).long()
+    return torch.tensor(E2M1_MAGNITUDES, device=v.device)[idx] * v.sign()
+
+
+def qdq_nvfp4_activation(x: torch.Tensor, global_scale: torch.Tensor, group: int = 16) -> torch.Tensor:
+    """NVFP4 activation quantize-dequantize (W4A4 emulation): per 16 elements an fp8-e4m3 scale of
+    amax/6 in units of the (static, multiplying) global scale, e2m1 codes. fp32 [M, K]."""
+    m, k = x.shape
+    g = global_scale.float().reshape(())
+    xg = x.float().view(m, k // group, group)
+    s = (xg.abs().amax(-1, keepdim=True) / 6.0 / g).clamp(max=FP8_MAX).to(FP8).float()
+    denom = torch.where(s > 0, s * g, torch.ones_like(s))
+    q = round_to_e2m1(xg / denom)
+    return (q * s * g).view(m, k)
+
+
+def qdq_activation(x: torch.Tensor, act: ActSpec, input_scale=None, input_global_scale=None) -> torch.Tensor:
+    """The activations a kernel of scheme ``act`` effectively multiplies, fp32 [M, K]."""
+    if act.dtype is QDtype.FP4_E2M1 and act.global_scale:
+        return qdq_nvfp4_activation(x, input_global_scale, act.scale.group_size)
+    q, s = quantize_activation(x, act, input_scale)
+    return dequantize_activation(q, s, act)
+
+
 def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, act: ActSpec) -> torch.Tensor:
     if act.scale.granularity is Granularity.GROUP:
         m, k = q.shape

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedError
-from ..scheme import QDtype, parse_scheme_key
+from ..scheme import Packing, QDtype, ScaleDtype, parse_scheme_key
 from . import quant_math
 from .registry import Kernel, KernelQuery, register
 
@@ -23,15 +23,21 @@ OP = "qcompile::linear_ref"
 
 def reference_supports(scheme) -> str | None:
     """None when the reference math covers ``scheme``, else what is missing."""
-    if scheme.weight.dtype is not QDtype.FP8_E4M3 or scheme.weight.packing.value != "none":
-        return f"{scheme.weight.dtype.value} weights are not runnable yet (weight-only 4/8-bit kernels: issue #3)"
-    if scheme.weight.zero_point or scheme.weight.act_order or scheme.weight.global_scale:
-        return "FP8 weights with zero points / act-order / a global scale are not runnable"
-    if scheme.act is not None and scheme.act.dtype is not QDtype.FP8_E4M3:
-        return f"{scheme.act.dtype.value} activations are not runnable yet"
-    if scheme.act is not None and not scheme.act.symmetric:
+    w, a = scheme.weight, scheme.act
+    decodable = (w.packing is Packing.NONE and w.dtype in (QDtype.FP8_E4M3, QDtype.INT8, QDtype.INT4)) or \
+        (w.packing is Packing.INT32 and w.dtype in (QDtype.INT4, QDtype.INT8)) or \
+        (w.packing is Packing.UINT8 and w.dtype is QDtype.FP4_E2M1)
+    if not decodable:
+        return f"{w.dtype.value} weights packed as {w.packing.value} are not runnable yet"
+    if a is None:
+        return None
+    if not a.symmetric:
         return "asymmetric activation quantization is not runnable"
-    return None
+    if a.dtype is QDtype.FP8_E4M3 and a.scale.dtype is ScaleDtype.FP32 and w.dtype is QDtype.FP8_E4M3:
+        return None
+    if a.dtype is QDtype.FP4_E2M1 and a.global_scale:  # NVFP4 W4A4 (emulated: quantize-dequantize)
+        return None
+    return f"{a.dtype.value} activations ({a.key()}) with {w.dtype.value} weights are not runnable yet"
 
 
 @torch.library.custom_op(OP, mutates_args=())
@@ -53,10 +59,10 @@ def linear_ref(
         raise UnsupportedError(why, where=OP)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    w = quant_math.dequantize_weight(weight, weight_scale, spec.weight, weight_global_scale)
+    w = quant_math.dequantize_weight(weight, weight_scale, spec.weight, weight_global_scale, weight_zero_point,
+                                     weight_g_idx, k=k)
     if spec.act is not None:
-        q, s = quant_math.quantize_activation(x2, spec.act, input_scale)
-        xf = quant_math.dequantize_activation(q, s, spec.act)
+        xf = quant_math.qdq_activation(x2, spec.act, input_scale, input_global_scale)
     else:
         xf = x2.float()
     out = xf @ w.t()

@@ -69,11 +69,30 @@ def test_reference_matches_independent_math(name):
 
 
 def test_reference_refuses_formats_without_kernels():
-    scheme = QuantScheme(NVFP4_WEIGHT, NVFP4_ACT)
+    from qcompile.scheme import MXFP4_WEIGHT, QDtype, mx_act
+    scheme = QuantScheme(MXFP4_WEIGHT, mx_act(QDtype.FP6_E2M3))  # Quark MXFP4 weights x MXFP6 activations
     x = torch.randn(2, 32, dtype=torch.bfloat16)
-    with pytest.raises(UnsupportedError, match="fp4_e2m1"):
-        torch.ops.qcompile.linear_ref(x, torch.zeros(16, 16, dtype=torch.uint8), None, None, None, None, None, None,
-                                      None, scheme.key)
+    with pytest.raises(UnsupportedError, match="fp6_e2m3 activations"):
+        torch.ops.qcompile.linear_ref(x, torch.zeros(16, 16, dtype=torch.uint8), torch.zeros(16, 1, dtype=torch.uint8),
+                                      None, None, None, None, None, None, scheme.key)
+
+
+def test_nvfp4_activation_qdq():
+    """Values land on e2m1 x (fp8 block scale) x global; a block's max maps to 6 units."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=g) * 3
+    gs = torch.tensor(0.01)
+    y = quant_math.qdq_nvfp4_activation(x, gs)
+    blocks_x, blocks_y = x.view(4, 4, 16), y.view(4, 4, 16)
+    s = (blocks_x.abs().amax(-1, keepdim=True) / 6 / gs).to(torch.float8_e4m3fn).float() * gs
+    codes = blocks_y / s
+    grid = torch.tensor(quant_math.E2M1_MAGNITUDES)
+    assert (codes.abs().unsqueeze(-1) - grid).abs().amin(-1).max() < 1e-4
+    # e2m1 spacing is at most 2 (between 4 and 6): error per element at most one unit of the scale
+    assert ((blocks_y - blocks_x).abs() <= s * 1.0 + 1e-6).all()
+
+
+NVFP4 = QuantScheme(NVFP4_WEIGHT, NVFP4_ACT)
 
 
 def test_requantize_to_max_scale():
