@@ -153,21 +153,37 @@ def quantize_activation(x: torch.Tensor, act: ActSpec, input_scale: torch.Tensor
     return q, scale
 
 
-# e2m1 rounding: magnitudes, midpoints between them, and which midpoints round up (ties to even mantissa)
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_E2M1_TIE_UP = (False, True, False, True, False, True, False)
+# (exponent bits, mantissa bits, exponent bias, largest magnitude) of the OCP minifloats
+MINIFLOATS = {QDtype.FP4_E2M1: (2, 1, 1, 6.0), QDtype.FP6_E2M3: (2, 3, 1, 7.5), QDtype.FP6_E3M2: (3, 2, 3, 28.0),
+              QDtype.FP8_E4M3: (4, 3, 7, 448.0)}
+# OCP MX: the shared scale is 2^(floor(log2(amax)) - emax), emax = the element type's largest exponent
+MX_EMAX = {QDtype.FP4_E2M1: 2, QDtype.FP6_E2M3: 2, QDtype.FP6_E3M2: 4, QDtype.FP8_E4M3: 8}
+
+
+def round_to_minifloat(v: torch.Tensor, dtype: QDtype) -> torch.Tensor:
+    """Round fp32 values to the nearest value of a small float type (subnormals included, ties to
+    even, saturating at its largest magnitude), returned as fp32."""
+    _, man, bias, top = MINIFLOATS[dtype]
+    a = v.abs().clamp(max=top)
+    exp = torch.floor(torch.log2(a.clamp(min=2.0 ** -30))).clamp(min=1 - bias)  # subnormals share emin
+    step = torch.exp2(exp - man)
+    return (torch.round(a / step) * step).clamp(max=top) * v.sign()
 
 
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values to the nearest e2m1 value (saturating at +-6, ties to even), as fp32."""
-    mids = torch.tensor(_E2M1_MIDPOINTS, device=v.device)
-    a = v.abs().clamp(max=6.0)
-    idx = torch.bucketize(a, mids)  # ties go down
-    tie_up = torch.tensor(_E2M1_TIE_UP, device=v.device)
-    at_mid = (idx < len(mids)) & (a == mids[idx.clamp(max=len(mids) - 1)])
-    idx = idx + (at_mid & tie_up[idx.clamp(max=len(mids) - 1)]).long()
-    return torch.tensor(E2M1_MAGNITUDES, device=v.device)[idx] * v.sign()
+    return round_to_minifloat(v, QDtype.FP4_E2M1)
+
+
+def qdq_mx_activation(x: torch.Tensor, dtype: QDtype, group: int = 32) -> torch.Tensor:
+    """OCP MX activation quantize-dequantize: per ``group`` elements a power-of-two (e8m0) scale,
+    elements of ``dtype``. fp32 [M, K]."""
+    m, k = x.shape
+    xg = x.float().view(m, k // group, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    exp = torch.floor(torch.log2(amax.clamp(min=2.0 ** -126))) - MX_EMAX[dtype]
+    scale = torch.exp2(exp.clamp(-127, 127))
+    return (round_to_minifloat(xg / scale, dtype) * scale).view(m, k)
 
 
 def qdq_nvfp4_activation(x: torch.Tensor, global_scale: torch.Tensor, group: int = 16) -> torch.Tensor:
@@ -186,6 +202,8 @@ def qdq_activation(x: torch.Tensor, act: ActSpec, input_scale=None, input_global
     """The activations a kernel of scheme ``act`` effectively multiplies, fp32 [M, K]."""
     if act.dtype is QDtype.FP4_E2M1 and act.global_scale:
         return qdq_nvfp4_activation(x, input_global_scale, act.scale.group_size)
+    if act.scale.dtype is ScaleDtype.E8M0:
+        return qdq_mx_activation(x, act.dtype, act.scale.group_size)
     q, s = quantize_activation(x, act, input_scale)
     return dequantize_activation(q, s, act)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedError
-from ..scheme import Packing, QDtype, ScaleDtype, parse_scheme_key
+from ..scheme import Granularity, Packing, QDtype, ScaleDtype, parse_scheme_key
 from . import quant_math
 from .registry import Kernel, KernelQuery, register
 
@@ -37,6 +37,8 @@ def reference_supports(scheme) -> str | None:
         return None
     if a.dtype is QDtype.FP4_E2M1 and a.global_scale:  # NVFP4 W4A4 (emulated: quantize-dequantize)
         return None
+    if a.scale.dtype is ScaleDtype.E8M0 and a.dynamic and a.scale.granularity is Granularity.GROUP:
+        return None  # OCP MX activations (emulated)
     return f"{a.dtype.value} activations ({a.key()}) with {w.dtype.value} weights are not runnable yet"
 
 

@@ -69,11 +69,12 @@ def test_reference_matches_independent_math(name):
 
 
 def test_reference_refuses_formats_without_kernels():
-    from qcompile.scheme import MXFP4_WEIGHT, QDtype, mx_act
-    scheme = QuantScheme(MXFP4_WEIGHT, mx_act(QDtype.FP6_E2M3))  # Quark MXFP4 weights x MXFP6 activations
+    from qcompile.scheme import MXFP4_WEIGHT, Packing, QDtype, WeightSpec, mx_act
+    fp6 = WeightSpec(QDtype.FP6_E2M3, MXFP4_WEIGHT.scale, Packing.UINT8_FP6)  # Quark MXFP6 weights
+    scheme = QuantScheme(fp6, mx_act(QDtype.FP6_E2M3))
     x = torch.randn(2, 32, dtype=torch.bfloat16)
-    with pytest.raises(UnsupportedError, match="fp6_e2m3 activations"):
-        torch.ops.qcompile.linear_ref(x, torch.zeros(16, 16, dtype=torch.uint8), torch.zeros(16, 1, dtype=torch.uint8),
+    with pytest.raises(UnsupportedError, match="fp6_e2m3 weights packed as uint8_fp6"):
+        torch.ops.qcompile.linear_ref(x, torch.zeros(16, 24, dtype=torch.uint8), torch.zeros(16, 1, dtype=torch.uint8),
                                       None, None, None, None, None, None, scheme.key)
 
 
@@ -160,3 +161,24 @@ def test_reference_dequantizes_producer_weights(testdata, name, names, spec, err
         w = quant_math.dequantize_weight(f.get_tensor(f"{layer}.{codes}"), f.get_tensor(f"{layer}.{scale}"),
                                          specs[spec], g, k=base.shape[1])
     assert ((w - base).norm() / base.norm()) < err
+
+
+def test_minifloat_rounding_matches_torch_fp8_and_known_values():
+    from qcompile.scheme import QDtype
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 50
+    assert torch.equal(quant_math.round_to_minifloat(x, QDtype.FP8_E4M3), x.to(torch.float8_e4m3fn).float())
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.3])  # e2m1: ties to even mantissa
+    assert quant_math.round_to_e2m1(ties).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.5]
+    assert quant_math.round_to_minifloat(torch.tensor([7.6, 0.1]), QDtype.FP6_E2M3).tolist() == [7.5, 0.125]
+    assert quant_math.round_to_minifloat(torch.tensor([29.0, 0.03]), QDtype.FP6_E3M2).tolist() == [28.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype,rel", [("fp4_e2m1", 0.2), ("fp6_e2m3", 0.06), ("fp6_e3m2", 0.1), ("fp8_e4m3", 0.04)])
+def test_mx_activation_qdq(dtype, rel):
+    """Power-of-two scale per 32; the group max keeps the element type's top exponent."""
+    from qcompile.scheme import QDtype
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(4))
+    y = quant_math.qdq_mx_activation(x, QDtype(dtype))
+    assert ((y - x).norm() / x.norm()) < rel
+    scale = torch.exp2(torch.floor(torch.log2(x.view(8, 4, 32).abs().amax(-1))) - quant_math.MX_EMAX[QDtype(dtype)])
+    assert torch.equal(torch.log2(scale), torch.round(torch.log2(scale)))  # powers of two
