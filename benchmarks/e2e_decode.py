@@ -62,10 +62,27 @@ def decode(model, compile_fn, device, prompt_len: int, n_tokens: int, reps: int)
     return n_tokens / statistics.median(times)
 
 
+def measure(model, probe, args, cuda) -> dict:
+    import qcompile
+    from qcompile.linear import dequantize_model
+
+    be = qcompile.backend(cudagraphs=cuda)
+    with torch.no_grad():
+        eager = model(probe).logits.float()
+        comp = torch.compile(model, backend=qcompile.backend())(probe).logits.float()
+        ref = dequantize_model(copy.deepcopy(model))(probe).logits.float()
+    torch._dynamo.reset()
+    tps = decode(model, lambda f: torch.compile(f, backend=be), args.device, args.prompt, args.tokens, args.reps)
+    print("\n".join(be.explain().splitlines()[:3]))
+    return {"tok_s": tps, "weight_MiB": weight_bytes(model) / 2**20,
+            "compiled_vs_eager_rel_err": ((comp - eager).norm() / eager.norm()).item(),
+            "compiled_vs_dequantized_bf16_rel_err": ((comp - ref).norm() / ref.norm()).item(),
+            "kernels": sorted({r.kernel for r in be.rows})}
+
+
 def main(argv=None):
     import qcompile
     from qcompile import synth
-    from qcompile.linear import dequantize_model
 
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=4096)
@@ -79,6 +96,7 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="the 256-wide test model (smoke test)")
+    p.add_argument("--formats", default="modelopt-fp8", help="comma-separated qcompile.synth formats")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
@@ -87,9 +105,6 @@ def main(argv=None):
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
         tie_word_embeddings=False)
     root = tempfile.mkdtemp(prefix="qcompile-e2e-")
-    t0 = time.perf_counter()
-    synth.write_checkpoint(f"{root}/fp8", "modelopt-fp8", config=cfg)
-    print(f"wrote checkpoints in {time.perf_counter() - t0:.0f} s", flush=True)
 
     from transformers import AutoModelForCausalLM
 
@@ -110,20 +125,15 @@ def main(argv=None):
     if cuda:
         torch.cuda.empty_cache()
 
-    model = qcompile.load(f"{root}/fp8", device=args.device).eval()
-    be = qcompile.backend(cudagraphs=cuda)
-    with torch.no_grad():
-        eager = model(probe).logits.float()
-        comp = torch.compile(model, backend=qcompile.backend())(probe).logits.float()
-        ref = dequantize_model(copy.deepcopy(model))(probe).logits.float()
-    rel = ((comp - eager).norm() / eager.norm()).item()
-    rel_ref = ((comp - ref).norm() / ref.norm()).item()
-    torch._dynamo.reset()
-    tps = decode(model, lambda f: torch.compile(f, backend=be), args.device, args.prompt, args.tokens, args.reps)
-    results["ModelOpt FP8 qcompile" + (" cudagraphs" if cuda else "")] = {
-        "tok_s": tps, "weight_MiB": weight_bytes(model) / 2**20, "compiled_vs_eager_rel_err": rel,
-        "compiled_vs_dequantized_bf16_rel_err": rel_ref}
-    print(be.explain().splitlines()[2])
+    for fmt in args.formats.split(","):
+        t0 = time.perf_counter()
+        synth.write_checkpoint(f"{root}/{fmt}", fmt, config=cfg)
+        print(f"wrote {fmt} in {time.perf_counter() - t0:.0f} s", flush=True)
+        results[f"{fmt} qcompile" + (" cudagraphs" if cuda else "")] = measure(
+            qcompile.load(f"{root}/{fmt}", device=args.device).eval(), probe, args, cuda)
+        torch._dynamo.reset()
+        if cuda:
+            torch.cuda.empty_cache()
     print(json.dumps(results, indent=2))
     print("\n| model | decode tok/s | ms/token | weight MiB | compiled vs eager logits |\n| --- | --- | --- | --- | --- |")
     for k, v in results.items():
