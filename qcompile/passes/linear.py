@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,28 @@ def _query(scheme_key: str, x, weight_shape) -> KernelQuery:
                        n=int(n), k=int(k), act_dtype=x.dtype)
 
 
+def _weight_only(op_name: str) -> bool:
+    """A kernel op without activation-scale arguments runs the matmul on unquantized activations."""
+    ns, name = op_name.split("::")
+    args = {a.name for a in getattr(getattr(torch.ops, ns), name).default._schema.arguments}
+    return not args & {"input_scale", "input_global_scale"}
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_weight_only(query: KernelQuery, kernel: str) -> None:
+    """W4A4 / MX-activation schemes on GPUs without their GEMM run weight-only, as vLLM does on
+    sm_90: say so once per scheme."""
+    if query.scheme.key in _WARNED:
+        return
+    _WARNED.add(query.scheme.key)
+    cap = f"sm_{query.capability[0]}{query.capability[1]}" if query.capability else query.device
+    warnings.warn(f"qcompile: {query.scheme.key} runs weight-only on {cap} ({kernel}): activations are not "
+                  "quantized, as vLLM does there. For faithful activation quantization compile with "
+                  "kernels='reference' (the eager model is always faithful).", stacklevel=2)
+
+
 def _emit(graph: fx.Graph, node: fx.Node, args: dict, sel: Selection, scheme_key: str) -> fx.Node:
     ns, name = sel.kernel.op.split("::")
     op = getattr(getattr(torch.ops, ns), name).default
@@ -127,8 +150,12 @@ def lower_linears(gm: fx.GraphModule, example_inputs, kernels=None, online: Quan
         else:
             continue
         wshape = w.shape if hasattr(w, "shape") else w
-        sel = select(_query(scheme_key, x, wshape), kernels, module)
+        query = _query(scheme_key, x, wshape)
+        sel = select(query, kernels, module)
         row = ExplainRow(module, scheme_key, sel.kernel.op, sel.kernel.name, sel.reason)
+        if query.scheme.act is not None and _weight_only(sel.kernel.op):
+            row.reason = "; ".join(filter(None, [row.reason, "activations not quantized (weight-only kernel)"]))
+            _warn_weight_only(query, sel.kernel.name)
         rows.append(row)
         if sel.kernel.op == "qcompile::linear_ref" and node.target in _ref_targets():
             continue  # already the reference
