@@ -10,21 +10,25 @@ nvidia-modelopt 0.47 and llm-compressor 0.14):
   ``quant_method: "modelopt"``; ``lm_head`` and ``model.embed_tokens`` excluded.
 * compressed-tensors: fp8 weights, scales in the model dtype (bf16), per-tensor scales of shape [1],
   channel scales [N, 1], block scales [N/128, K/128]; ``format: float-quantized``; ``lm_head`` ignored.
+* 4-bit (ModelOpt NVFP4 / W4A16_NVFP4 / MIXED_PRECISION, compressed-tensors NVFP4 / MXFP4 / int4 and
+  int8 pack-quantized, Quark MXFP4): :mod:`qcompile.synth_4bit`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 from safetensors.torch import save_file
 
+from . import synth_4bit
 from .kernels.quant_math import FP8_MAX, quantize_weight_fp8
 from .scheme import Granularity
 
 FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "modelopt-fp8-pbwo", "ct-fp8-static", "ct-fp8-dynamic",
-           "ct-fp8-block")
+           "ct-fp8-block") + synth_4bit.FORMATS
 
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -86,20 +90,55 @@ def _calibrate(model, n_tokens: int = 64, seed: int = 0) -> dict[str, float]:
     return amax
 
 
-def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0) -> str:
-    """Write a tiny model in ``fmt`` (one of FORMATS) to ``path``; returns ``path``."""
+def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0, source: str | None = None) -> str:
+    """Write a tiny model in ``fmt`` (one of FORMATS) to ``path``; returns ``path``. ``source``: an
+    unquantized checkpoint directory to quantize instead of a random model (``config`` / ``seed`` are
+    then unused), e.g. shared/testdata's base-bf16-dense to compare with the producers' own files."""
     from transformers import AutoModelForCausalLM
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown synthetic format {fmt!r}; choose from {FORMATS}")
     os.makedirs(path, exist_ok=True)
-    write_bf16(path, config, seed)
+    if source is not None:
+        _copy_unquantized(source, path)
+    else:
+        write_bf16(path, config, seed)
     if fmt == "bf16":
         return path
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     amax = _calibrate(model)
     tied = model.config.tie_word_embeddings
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    if fmt in synth_4bit.FORMATS:
+        qcfg = synth_4bit.quantize_state(fmt, state, amax)
+    else:
+        qcfg = _quantize_fp8(fmt, state, amax)
+    os.remove(os.path.join(path, "model.safetensors"))
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qcfg["config"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    if "hf_quant_config" in qcfg:
+        with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+            json.dump(qcfg["hf_quant_config"], f, indent=4)
+    return path
+
+
+def _copy_unquantized(source: str, path: str) -> None:
+    with open(os.path.join(source, "config.json")) as f:
+        if "quantization_config" in json.load(f) or os.path.exists(os.path.join(source, "hf_quant_config.json")):
+            raise ValueError(f"{source} is quantized; write_checkpoint(source=...) needs an unquantized checkpoint")
+    if not os.path.exists(os.path.join(source, "model.safetensors")):
+        raise ValueError(f"{source} has no single model.safetensors")
+    for name in os.listdir(source):
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
+
+
+def _quantize_fp8(fmt: str, state: dict, amax: dict[str, float]) -> dict:
+    """The FP8 formats, in place on ``state``; returns the configs (see ``synth_4bit.quantize_state``)."""
     modelopt = fmt.startswith("modelopt")
     gran = {"modelopt-fp8": Granularity.TENSOR, "ct-fp8-static": Granularity.TENSOR,
             "modelopt-fp8-pcpt": Granularity.CHANNEL, "ct-fp8-dynamic": Granularity.CHANNEL,
@@ -123,18 +162,7 @@ def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0) -> str:
         if static_act:
             a = torch.tensor(amax[name] / FP8_MAX, dtype=torch.float32)
             state[f"{name}.input_scale"] = a if modelopt else a.reshape(1).to(torch.bfloat16)
-    os.remove(os.path.join(path, "model.safetensors"))
-    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    qcfg = _modelopt_configs(fmt) if modelopt else _ct_config(fmt)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qcfg["config"]
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    if "hf_quant_config" in qcfg:
-        with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
-            json.dump(qcfg["hf_quant_config"], f, indent=4)
-    return path
+    return _modelopt_configs(fmt) if modelopt else _ct_config(fmt)
 
 
 def _expand(s, gran, shape):
