@@ -149,8 +149,13 @@ def _quantize_fp8(fmt: str, state: dict, amax: dict[str, float]) -> dict:
         w = state.pop(f"{name}.weight")
         q, s = quantize_weight_fp8(w, gran)
         if not modelopt:
-            s = s.to(torch.bfloat16).float()  # the stored (bf16) scale is the one the codes were made with
-            q = (w.float() / _expand(s, gran, w.shape)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            # llm-compressor divides in the model dtype by the stored (bf16) scale
+            s = s.to(torch.bfloat16)
+            q = (w / _expand(s, gran, w.shape)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            s = s.float()
+        else:  # ModelOpt rounds w / scale to bf16 before the fp8 cast
+            q = (w.float() / _expand(s, gran, w.shape)).to(torch.bfloat16).clamp(-FP8_MAX, FP8_MAX).to(
+                torch.float8_e4m3fn)
         state[f"{name}.weight"] = q
         if gran is Granularity.TENSOR:
             s = s.reshape(()) if modelopt else s.reshape(1)
@@ -191,7 +196,7 @@ def _modelopt_configs(fmt: str) -> dict:
 def _ct_config(fmt: str) -> dict:
     def args(strategy, dynamic, **kw):
         return {"actorder": None, "block_structure": kw.get("block"), "dynamic": dynamic,
-                "group_size": kw.get("group"), "num_bits": 8, "observer": None if dynamic else "minmax",
+                "group_size": kw.get("group"), "num_bits": 8, "observer": None if dynamic else "memoryless_minmax",
                 "observer_kwargs": {}, "scale_dtype": None, "strategy": strategy, "symmetric": True, "type": "float",
                 "zp_dtype": None}
     weights, acts = {
