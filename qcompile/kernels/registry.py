@@ -144,3 +144,4 @@ def _load_builtin():
     _LOADED = True
     from . import reference  # noqa: F401  (registers the reference kernel)
     from . import fp8  # noqa: F401
+    from . import wo_gemm  # noqa: F401

@@ -230,3 +230,30 @@ def test_router_is_never_quantized_online():
     torch.compile(Block(), backend=be)(torch.randn(4, 128, dtype=torch.bfloat16))
     kinds = {r.module: r.kernel for r in be.rows}
     assert "gate" in ROUTER_LEAVES and kinds["gate"] == "bf16" and kinds["up_proj"] != "bf16"
+
+
+def test_compressed_tensors_w4a16_lowers_to_the_weight_only_op(one_layer):
+    diff, be = load_and_diff(one_layer, "ct-w4a16")
+    assert_expected_inline(diff, """\
+-linear_ref = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-linear_ref_2 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.v_proj.weight, model.layers.0.self_attn.v_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-attn_output_4 = torch.ops.qcompile.linear_ref(attn_output_3, model.layers.0.self_attn.o_proj.weight, model.layers.0.self_attn.o_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-linear_ref_4 = torch.ops.qcompile.linear_ref(hidden_states_6, model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.gate_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-linear_ref_5 = torch.ops.qcompile.linear_ref(hidden_states_6, model.layers.0.mlp.up_proj.weight, model.layers.0.mlp.up_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-down_proj = torch.ops.qcompile.linear_ref(mul_11, model.layers.0.mlp.down_proj.weight, model.layers.0.mlp.down_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
++wo_linear_default = torch.ops.qcompile.wo_linear.default(x = hidden_states_2, weight = model.layers.0.self_attn.q_proj.weight, weight_scale = model.layers.0.self_attn.q_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
++wo_linear_default_1 = torch.ops.qcompile.wo_linear.default(x = hidden_states_2, weight = model.layers.0.self_attn.k_proj.weight, weight_scale = model.layers.0.self_attn.k_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
++wo_linear_default_2 = torch.ops.qcompile.wo_linear.default(x = hidden_states_2, weight = model.layers.0.self_attn.v_proj.weight, weight_scale = model.layers.0.self_attn.v_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
++wo_linear_default_3 = torch.ops.qcompile.wo_linear.default(x = attn_output_3, weight = model.layers.0.self_attn.o_proj.weight, weight_scale = model.layers.0.self_attn.o_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
++wo_linear_default_4 = torch.ops.qcompile.wo_linear.default(x = hidden_states_6, weight = model.layers.0.mlp.gate_proj.weight, weight_scale = model.layers.0.mlp.gate_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
++wo_linear_default_5 = torch.ops.qcompile.wo_linear.default(x = hidden_states_6, weight = model.layers.0.mlp.up_proj.weight, weight_scale = model.layers.0.mlp.up_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
++wo_linear_default_6 = torch.ops.qcompile.wo_linear.default(x = mul_11, weight = model.layers.0.mlp.down_proj.weight, weight_scale = model.layers.0.mlp.down_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')""")
+    assert {r.kernel for r in be.rows} == {"wo_dequant"}  # on CUDA: wo_triton
+
+
+def test_nvfp4_w4a4_stays_faithful_off_cuda(one_layer):
+    """Off CUDA nothing is gained by dropping NVFP4 activation quantization: the reference stays."""
+    diff, be = load_and_diff(one_layer, "modelopt-nvfp4")
+    assert diff == "" and {r.kernel for r in be.rows} == {"reference"}
+    assert "on cpu the faithful reference is as fast" in be.rows[0].reason

@@ -1,0 +1,373 @@
+"""``qcompile::wo_linear``: weight-only 4- and 8-bit linear layers (W4A16 / W8A16), decode-size M.
+
+A Marlin-style mixed-precision GEMM in Triton: the weight is streamed in its canonical checkpoint
+layout as 16-byte int32 words, each word's codes are decoded in registers (integer tricks, no
+int->float conversion instructions), scaled and fed to ``tl.dot`` against x in bf16/fp16 with fp32
+accumulation. Split-K fills the GPU when M is small (M=1..16: N/BLOCK_N tiles alone are < 132).
+
+=====================  ===========================  ====================================  ==========
+format (WeightSpec)     weight (canonical)           scale                                  global
+=====================  ===========================  ====================================  ==========
+int4, pack=int32        int32 [N, K/8], code j at    fp32 [] / [N] / [N, K/G] (+ zero       optional
+                        bits 4j, offset +8           point same shape, + g_idx [K])
+fp4_e2m1, pack=uint8    uint8 [N, K/2], low nibble   NVFP4: fp8 e4m3 [N, K/16];             NVFP4
+                        = even element               MXFP4: e8m0 uint8 [N, K/32]
+int8, pack=int32/none   int32 [N, K/4] (offset       fp32 [] / [N] / [N, K/G] (+ zero       optional
+                        +128) or int8 [N, K]         point, + g_idx)
+fp8_e4m3                float8_e4m3fn [N, K]         e8m0 uint8 [N, K/32] (MXFP8)          optional
+=====================  ===========================  ====================================  ==========
+
+Every weight is read as int32 words (a free ``view``): a uint8 e2m1 byte pair and an int8/fp8 byte
+quad land at bits ``4j`` / ``8j`` of their little-endian word exactly like the pack-quantized codes.
+Word ``w`` of row ``n`` holds elements ``k = EPW*w + j`` (EPW = 8 or 4), so the kernel computes
+``sum_j dot(decode_j(words), x[:, j::EPW])``; the x slices come from one contiguous x tile split in
+registers, or from x permuted once per call (``X_PERMUTED``). The weights are not repacked: no
+repacked layout was measured to beat this one (docs/kernels-wo.md).
+
+Backends (the op's ``backend`` argument):
+
+* ``"triton"`` (CUDA sm_80+, or CPU under ``TRITON_INTERPRET=1``): the kernel for M <= ``WO_MAX_M``
+  of the format's family; above it the Triton dequantize kernel writes the weight in x.dtype once
+  and ``F.linear`` runs the GEMM (cuBLAS wins there; docs/kernels-wo.md has the crossover).
+* ``"dequant"`` (any device): dequantize (Triton kernel on CUDA, :mod:`quant_math` elsewhere), cast
+  to x.dtype, ``F.linear``. The CPU path and the fallback of every shape the kernel rejects.
+
+Math: ``out = x @ ((q - z) * s * g).T + bias``, fp32 accumulation, one rounding to x.dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UnsupportedError
+from ..scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, WeightSpec, canonical_shape
+from ..scheme import parse_scheme_key
+from . import quant_math
+from .fp8_quant_triton import HAS_TRITON, use_triton
+from .registry import Kernel, KernelQuery, register
+from .wo_gemm_triton import FMT_E2M1, FMT_FP8, FMT_INT4, FMT_INT8, FMT_INT8_OFFSET, SK_E4M3, SK_E8M0, SK_FP32
+
+if HAS_TRITON:
+    import triton
+
+    from .wo_gemm_triton import _dequant_kernel, _permute_x_kernel, _splitk_reduce_kernel, _wo_gemm_kernel
+
+OP = "qcompile::wo_linear"
+BACKENDS = ("triton", "dequant")
+
+# Above this many rows the "triton" backend dequantizes once and calls F.linear (measured crossover,
+# docs/kernels-wo.md).
+# Largest M the kernel runs, by family(): above it dequant + F.linear won on the H100 (N=K=8192 and
+# N=28672, K=8192; docs/kernels-wo.md). MXFP8 (fp8 weights, e8m0 scales) lost at every M.
+WO_MAX_M = {"int4": 128, "fp4": 64, "8bit": 128, "fp8": 0}
+
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the kernel reads one WeightSpec."""
+
+    fmt: int
+    epw: int  # elements per int32 word
+    scale_kind: int
+    group: int  # 0: one scale per row (channel) or per tensor (row stride 0)
+
+    @property
+    def min_block_k(self) -> int:
+        return 16 * self.epw  # tl.dot needs 16 words per slice
+
+
+def layout_of(spec: WeightSpec) -> Layout:
+    fmt = {(QDtype.INT4, Packing.INT32): FMT_INT4, (QDtype.FP4_E2M1, Packing.UINT8): FMT_E2M1,
+           (QDtype.INT8, Packing.INT32): FMT_INT8_OFFSET, (QDtype.INT8, Packing.NONE): FMT_INT8,
+           (QDtype.FP8_E4M3, Packing.NONE): FMT_FP8}[(spec.dtype, spec.packing)]
+    kind = {ScaleDtype.FP32: SK_FP32, ScaleDtype.FP8_E4M3: SK_E4M3, ScaleDtype.E8M0: SK_E8M0}[spec.scale.dtype]
+    group = spec.scale.group_size if spec.scale.granularity is Granularity.GROUP else 0
+    return Layout(fmt, 8 if spec.dtype.bits == 4 else 4, kind, group)
+
+
+def wo_reason(scheme: QuantScheme) -> str | None:
+    """None when this op runs ``scheme``'s weights (either backend), else what is missing. Activations
+    are never quantized here: a scheme with an ActSpec (NVFP4 W4A4 on a GPU without an FP4 GEMM) runs
+    weight-only, and the Linear pass says so once."""
+    w = scheme.weight
+    combos = {(QDtype.INT4, Packing.INT32), (QDtype.FP4_E2M1, Packing.UINT8), (QDtype.INT8, Packing.INT32),
+              (QDtype.INT8, Packing.NONE), (QDtype.FP8_E4M3, Packing.NONE)}
+    if (w.dtype, w.packing) not in combos:
+        return f"{w.dtype.value} weights packed as {w.packing.value} are not a wo_linear format"
+    gran, sdt = w.scale.granularity, w.scale.dtype
+    if gran not in (Granularity.TENSOR, Granularity.CHANNEL, Granularity.GROUP):
+        return f"weight scales per {gran.value} (tensor, channel or group expected)"
+    if w.dtype is QDtype.FP4_E2M1:
+        if (sdt, w.scale.group_size) not in ((ScaleDtype.FP8_E4M3, 16), (ScaleDtype.E8M0, 32)):
+            return f"e2m1 weights need fp8 scales per 16 (NVFP4) or e8m0 per 32 (MXFP4), have {w.scale.key()}"
+    elif w.dtype is QDtype.FP8_E4M3:
+        if (sdt, w.scale.group_size) != (ScaleDtype.E8M0, 32):  # fp32-scaled fp8: qcompile::fp8_linear
+            return f"fp8 weights need e8m0 scales per 32 (MXFP8), have {w.scale.key()}"
+    elif sdt is not ScaleDtype.FP32:
+        return f"{w.dtype.value} weights need fp32 scales, have {sdt.value}"
+    g = w.scale.group_size
+    if gran is Granularity.GROUP and (g < 16 or g & (g - 1)):
+        return f"group size {g} is not a power of two >= 16"
+    if (w.zero_point or w.act_order) and w.dtype not in (QDtype.INT4, QDtype.INT8):
+        return "zero points / act-order only with int4 / int8 weights"
+    if w.act_order and gran is not Granularity.GROUP:
+        return "act-order (g_idx) needs group scales"
+    return None
+
+
+# -- Triton kernels --------------------------------------------------------------------------------
+
+# -- host side -------------------------------------------------------------------------------------
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+# Launch configurations, by weight family and M bucket: (BLOCK_M, BLOCK_N, words per K step,
+# num_warps, num_stages, waves of programs for auto_split). Filled from the H100 sweep of
+# benchmarks/bench_wo_linear.py --tune (docs/kernels-wo.md); 16 words = one int4 group of 128 per
+# step, so its scale is applied after the dot.
+TUNED: dict[tuple[str, int], tuple] = {
+    # (family, M bucket): (BLOCK_M, BLOCK_N, words per step, warps, stages, waves, scale prefetch, x permuted)
+    ("int4", 16): (16, 64, 16, 4, 4, 4, True, False), ("int4", 32): (32, 64, 16, 4, 4, 4, True, False),
+    ("int4", 64): (64, 128, 16, 8, 3, 1, True, True), ("int4", 128): (128, 128, 16, 8, 3, 1, True, False),
+    ("fp4", 16): (16, 64, 16, 4, 4, 4, False, True), ("fp4", 64): (64, 128, 16, 8, 3, 2, False, True),
+    ("8bit", 16): (16, 64, 32, 4, 4, 4, False, False), ("8bit", 64): (64, 64, 32, 4, 3, 2, True, False),
+    ("fp8", 16): (16, 64, 32, 4, 4, 4, False, False), ("fp8", 64): (64, 64, 32, 4, 3, 2, False, True),
+}
+DEQUANT_CONFIG = dict(BLOCK_N=32, BLOCK_WORDS=32, num_warps=4)
+
+
+def family(lay: Layout) -> str:
+    return {FMT_INT4: "int4", FMT_E2M1: "fp4", FMT_FP8: "fp8"}.get(lay.fmt, "8bit")
+
+
+def m_bucket(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+
+
+def pick_config(m: int, n: int, k: int, lay: Layout, sms: int) -> dict:
+    """Launch configuration for an [m, k] x [n, k] product (``TUNED``: the family's entry for the M
+    bucket or the nearest smaller one, else the int4 one)."""
+    b, fam = m_bucket(m), family(lay)
+    fams = (fam, "8bit", "int4") if fam == "fp8" else (fam, "int4")
+    entry = next(TUNED[(f, bb)] for f in fams for bb in (b, 64, 32, 16) if bb <= b and (f, bb) in TUNED)
+    bm, bn, words, warps, stages, waves, prefetch, xperm = entry
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=words * lay.epw, num_warps=warps, num_stages=stages,
+               SCALE_PREFETCH=prefetch, X_PERMUTED=xperm)
+    cfg["SPLIT_K"] = auto_split(m, n, k, cfg, sms, waves)
+    return cfg
+
+
+def auto_split(m: int, n: int, k: int, cfg: dict, sms: int, waves: float = 2.0) -> int:
+    """Split K so that about ``waves`` x SMs programs run, each with >= 4 K steps."""
+    tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
+    steps = k // cfg["BLOCK_K"]
+    split = max(1, min(round(waves * sms / tiles), steps // 4))
+    return split
+
+
+def _args(weight, scale, zero_point, g_idx, global_scale, spec: WeightSpec, n: int):
+    """Tensors as the kernels read them: int32 words, uint8 fp8/e8m0 scales, row strides."""
+    words = weight.contiguous().view(torch.int32)
+    s = scale.contiguous()
+    if s.dtype == torch.float8_e4m3fn:
+        s = s.view(torch.uint8)
+    gran = spec.scale.granularity
+    stride_sn = 0 if gran is Granularity.TENSOR else (1 if gran is Granularity.CHANNEL else s.shape[1])
+    z = zero_point.contiguous() if zero_point is not None else None
+    g = g_idx.contiguous() if g_idx is not None else None
+    gs = global_scale.reshape(1) if global_scale is not None else None
+    return words, s, z, g, gs, stride_sn
+
+
+def wo_gemm(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bias, spec: WeightSpec,
+            config: dict | None = None) -> torch.Tensor:
+    """x2 [M, K] contiguous bf16/fp16 -> [M, N] x2.dtype through the Triton kernel (any M; the op
+    switches to the dequant path above WO_MAX_M). ``config`` overrides :func:`pick_config`."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    lay = layout_of(spec)
+    cfg = dict(config) if config else pick_config(m, n, k, lay, _sm_count(x2.device))
+    split = cfg.pop("SPLIT_K")
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    bk = cfg["BLOCK_K"]
+    k_split = -(-(k // bk) // split) * bk
+    split = -(-k // k_split)
+    ptx = cfg.pop("PTX_DECODE", True) and x2.is_cuda
+    if cfg.pop("X_PERMUTED", False):
+        xp = torch.empty_like(x2)
+        _permute_x_kernel[(m, k // bk)](x2, xp, k, BLOCK_K=bk, EPW=lay.epw, num_warps=4)
+        x2 = xp
+        cfg["X_PERMUTED"] = True
+    words, s, z, g, gs, stride_sn = _args(weight, scale, zero_point, g_idx, global_scale, spec, n)
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
+    _wo_gemm_kernel[grid](
+        x2, words, s, z, g, gs, bias, dest, m, n, k, words.shape[1], stride_sn, k_split // lay.epw,
+        FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
+        HAS_ZP=z is not None, ACT_ORDER=g is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
+        EMULATE_DOT=not x2.is_cuda, PTX_DECODE=ptx, num_warps=warps, num_stages=stages, **cfg)
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            dest, bias, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+def dequantize_triton(weight, scale, spec: WeightSpec, global_scale=None, zero_point=None, g_idx=None,
+                      k: int | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[N, K] in ``dtype``: quant_math.dequantize_weight(...).to(dtype), in one Triton kernel
+    (the same fp32 operations in the same order; bit-identical on the GPU). K % (16*EPW) == 0."""
+    lay = layout_of(spec)
+    n = weight.shape[0]
+    k = k or weight.shape[1] * {Packing.NONE: 1, Packing.INT32: 32 // spec.dtype.bits, Packing.UINT8: 2}[spec.packing]
+    words, s, z, g, gs, stride_sn = _args(weight, scale, zero_point, g_idx, global_scale, spec, n)
+    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    cfg = DEQUANT_CONFIG
+    block_k, block_n = cfg["BLOCK_WORDS"] * lay.epw, cfg["BLOCK_N"]
+    if k % block_k:
+        block_k = lay.min_block_k
+    _dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](
+        words, s, z, g, gs, out, n, k, words.shape[1], stride_sn,
+        FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
+        HAS_ZP=z is not None, ACT_ORDER=g is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=cfg["num_warps"])
+    return out
+
+
+def triton_shape_reason(spec: WeightSpec, n: int, k: int) -> str | None:
+    """What the Triton kernels need of the shape, beyond :func:`wo_reason`."""
+    lay = layout_of(spec)
+    if k % lay.min_block_k:
+        return f"K={k} not a multiple of {lay.min_block_k}"
+    if lay.group and k % lay.group:
+        return f"K={k} not a multiple of the group size {lay.group}"
+    return None
+
+
+# -- the op ----------------------------------------------------------------------------------------
+
+_WEIGHT_DTYPES = {Packing.INT32: (torch.int32,), Packing.UINT8: (torch.uint8,)}
+_SCALE_DTYPES = {ScaleDtype.FP32: torch.float32, ScaleDtype.FP8_E4M3: torch.float8_e4m3fn,
+                 ScaleDtype.E8M0: torch.uint8}
+
+
+def _validate(x, weight, scale, global_scale, zero_point, g_idx, spec: QuantScheme, scheme: str):
+    why = wo_reason(spec)
+    if why:
+        raise UnsupportedError(why, where=OP)
+    w = spec.weight
+    n, k = weight.shape[0], x.shape[-1]
+    wdt = _WEIGHT_DTYPES.get(w.packing) or ((torch.int8,) if w.dtype is QDtype.INT8 else (torch.float8_e4m3fn,))
+    want = canonical_shape("weight", spec, n, k)
+    if weight.dtype not in wdt or tuple(weight.shape) != want:
+        raise UnsupportedError(f"weight must be {wdt[0]} {list(want)} for K={k}, got {weight.dtype} "
+                               f"{list(weight.shape)}", where=OP)
+    want = canonical_shape("weight_scale", spec, n, k)
+    if tuple(scale.shape) != want or scale.dtype != _SCALE_DTYPES[w.scale.dtype]:
+        raise UnsupportedError(f"weight_scale must be {_SCALE_DTYPES[w.scale.dtype]} {list(want)}, got "
+                               f"{scale.dtype} {list(scale.shape)}", where=OP,
+                               fix="normalize scales at load (scheme.canonical_shape)")
+    for name, t, needed in (("weight_global_scale", global_scale, w.global_scale),
+                            ("weight_zero_point", zero_point, w.zero_point), ("weight_g_idx", g_idx, w.act_order)):
+        if (t is not None) != needed:
+            raise UnsupportedError(f"scheme {scheme} {'needs' if needed else 'has no'} {name}", where=OP)
+    if zero_point is not None and tuple(zero_point.shape) != tuple(scale.shape):
+        raise UnsupportedError(f"weight_zero_point shape {list(zero_point.shape)} != scale shape", where=OP)
+    if g_idx is not None and tuple(g_idx.shape) != (k,):
+        raise UnsupportedError(f"weight_g_idx must be [{k}], got {list(g_idx.shape)}", where=OP)
+
+
+def _dequant(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
+    n, k = weight.shape[0], x2.shape[1]
+    if x2.is_cuda and HAS_TRITON and triton_shape_reason(spec, n, k) is None:
+        w = dequantize_triton(weight, scale, spec, gs, zp, g_idx, k, x2.dtype)
+    else:
+        w = quant_math.dequantize_weight(weight, scale, spec, gs, zp, g_idx, k).to(x2.dtype)
+    return F.linear(x2, w, None if bias is None else bias.to(x2.dtype))
+
+
+def _triton(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
+    if not use_triton(x2):
+        raise UnsupportedError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x2.device}",
+                               where=OP, fix="use backend='dequant'")
+    why = triton_shape_reason(spec, weight.shape[0], x2.shape[1])
+    if why:
+        raise UnsupportedError(f"backend 'triton': {why}", where=OP, fix="use backend='dequant'")
+    if x2.shape[0] > WO_MAX_M[family(layout_of(spec))]:
+        return _dequant(x2, weight, scale, gs, zp, g_idx, bias, spec)
+    return wo_gemm(x2, weight, scale, gs, zp, g_idx, bias, spec)
+
+
+_IMPLS = {"triton": _triton, "dequant": _dequant}
+
+
+@torch.library.custom_op(OP, mutates_args=())
+def wo_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              weight_global_scale: torch.Tensor | None, weight_zero_point: torch.Tensor | None,
+              weight_g_idx: torch.Tensor | None, bias: torch.Tensor | None, scheme: str, backend: str) -> torch.Tensor:
+    spec = parse_scheme_key(scheme)
+    _validate(x, weight, weight_scale, weight_global_scale, weight_zero_point, weight_g_idx, spec, scheme)
+    impl = _IMPLS.get(backend)
+    if impl is None:
+        raise UnsupportedError(f"unknown wo_linear backend {backend!r}", where=OP, fix=f"use one of {BACKENDS}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise UnsupportedError(f"x must be bf16 or fp16, got {x.dtype}", where=OP)
+    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, k).contiguous()
+    if x2.shape[0] == 0:
+        return x.new_empty((*lead, n))
+    out = impl(x2, weight, weight_scale, weight_global_scale, weight_zero_point, weight_g_idx, bias, spec.weight)
+    return out.reshape(*lead, n)
+
+
+@wo_linear.register_fake
+def _(x, weight, weight_scale, weight_global_scale, weight_zero_point, weight_g_idx, bias, scheme, backend):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# -- registry --------------------------------------------------------------------------------------
+
+def check_triton(q: KernelQuery) -> str | None:
+    why = wo_reason(q.scheme)
+    if why:
+        return why
+    if q.device != "cuda":
+        return f"needs a CUDA device, have {q.device}"
+    if q.capability is None or tuple(q.capability) < (8, 0):
+        cap = "none" if q.capability is None else f"{q.capability[0]}.{q.capability[1]}"
+        return f"needs compute capability >= 8.0, have {cap}"
+    if q.act_dtype not in (torch.bfloat16, torch.float16):
+        return f"needs bf16/fp16 activations, have {q.act_dtype}"
+    return triton_shape_reason(q.scheme.weight, q.n, q.k)
+
+
+def check_dequant(q: KernelQuery) -> str | None:
+    if q.scheme.act is not None and q.device != "cuda":
+        # Dropping activation quantization buys speed only on a GPU; elsewhere stay faithful.
+        return f"the scheme quantizes activations; on {q.device} the faithful reference is as fast"
+    return wo_reason(q.scheme)
+
+
+WO_TRITON = register(Kernel(
+    name="wo_triton", op=OP, backend="triton", priority=28, check=check_triton, requires=("triton",),
+    description="Triton split-K weight-only GEMM (M <= WO_MAX_M of the format), else Triton dequant + F.linear",
+))
+WO_DEQUANT = register(Kernel(
+    name="wo_dequant", op=OP, backend="dequant", priority=12, check=check_dequant,
+    description="dequantize to x.dtype + F.linear (any device)",
+))
