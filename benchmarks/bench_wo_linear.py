@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 
 import torch
+
+from qcompile.bench import graph_time_us
 import torch.nn.functional as F
 
 from qcompile.kernels import wo_gemm as wg
@@ -34,29 +35,6 @@ FORMATS = {
 }
 
 
-def graph_time_us(fn, calls: int, replays: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
-    return statistics.median(times)
 
 
 def timed(fns, calls, replays, m):

@@ -34,7 +34,7 @@ from ..errors import UnsupportedError
 from ..scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, canonical_shape, parse_scheme_key
 from . import fp8_quant_triton as fq
 from . import quant_math
-from .registry import Kernel, KernelQuery, register
+from .registry import Kernel, KernelQuery, cuda_reason, register
 
 OP = "qcompile::fp8_linear"
 BACKENDS = ("emulated", "scaled_mm", "flashinfer")
@@ -239,12 +239,9 @@ def _cuda_reason(q: KernelQuery) -> str | None:
     why = fp8_w8a8_reason(q.scheme)
     if why:
         return why
-    if q.device != "cuda":
-        return f"needs a CUDA device, have {q.device}"
-    if q.capability is None or tuple(q.capability) < (8, 9):
-        return f"needs compute capability >= 8.9, have {_cap(q.capability)}"
-    if q.act_dtype not in (torch.bfloat16, torch.float16):
-        return f"needs bf16/fp16 activations, have {q.act_dtype}"
+    why = cuda_reason(q, (8, 9))
+    if why:
+        return why
     for dim, v in (("N", q.n), ("K", q.k)):
         if v % 16:
             return f"{dim}={v} not a multiple of 16"

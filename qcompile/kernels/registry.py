@@ -126,6 +126,19 @@ def _override_for(override, module: str) -> str | None:
     return None
 
 
+def cuda_reason(q: KernelQuery, min_capability: tuple[int, int]) -> str | None:
+    """The shared device requirements of CUDA kernels: a CUDA device of at least ``min_capability``
+    and bf16 / fp16 activations. None when met, else what is missing."""
+    if q.device != "cuda":
+        return f"needs a CUDA device, have {q.device}"
+    if q.capability is None or tuple(q.capability) < min_capability:
+        have = "none" if q.capability is None else f"{q.capability[0]}.{q.capability[1]}"
+        return f"needs compute capability >= {min_capability[0]}.{min_capability[1]}, have {have}"
+    if q.act_dtype not in (torch.bfloat16, torch.float16):
+        return f"needs bf16/fp16 activations, have {q.act_dtype}"
+    return None
+
+
 def cuda_capability(device: torch.device | str) -> tuple[int, int] | None:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():

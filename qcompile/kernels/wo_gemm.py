@@ -47,7 +47,7 @@ from ..scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, Weig
 from ..scheme import parse_scheme_key
 from . import quant_math
 from .fp8_quant_triton import HAS_TRITON, use_triton
-from .registry import Kernel, KernelQuery, register
+from .registry import Kernel, KernelQuery, cuda_reason, register
 from .wo_gemm_triton import FMT_E2M1, FMT_FP8, FMT_INT4, FMT_INT8, FMT_INT8_OFFSET, SK_E4M3, SK_E8M0, SK_FP32
 
 if HAS_TRITON:
@@ -346,14 +346,7 @@ def check_triton(q: KernelQuery) -> str | None:
     why = wo_reason(q.scheme)
     if why:
         return why
-    if q.device != "cuda":
-        return f"needs a CUDA device, have {q.device}"
-    if q.capability is None or tuple(q.capability) < (8, 0):
-        cap = "none" if q.capability is None else f"{q.capability[0]}.{q.capability[1]}"
-        return f"needs compute capability >= 8.0, have {cap}"
-    if q.act_dtype not in (torch.bfloat16, torch.float16):
-        return f"needs bf16/fp16 activations, have {q.act_dtype}"
-    return triton_shape_reason(q.scheme.weight, q.n, q.k)
+    return cuda_reason(q, (8, 0)) or triton_shape_reason(q.scheme.weight, q.n, q.k)
 
 
 def check_dequant(q: KernelQuery) -> str | None:
