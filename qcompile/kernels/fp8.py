@@ -105,12 +105,8 @@ def _validate(x, weight, weight_scale, input_scale, spec: QuantScheme, scheme: s
 # -- implementations -----------------------------------------------------------------------------
 
 def _emulated(x2, weight, weight_scale, input_scale, bias, spec, out_dtype):
-    q, s = quant_math.quantize_activation(x2, spec.act, input_scale)
-    xf = quant_math.dequantize_activation(q, s, spec.act)
-    out = xf @ quant_math.dequantize_weight(weight, weight_scale, spec.weight).t()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
+    return quant_math.reference_linear(x2, spec, weight, weight_scale, input_scale=input_scale,
+                                       bias=bias).to(out_dtype)
 
 
 _UNIT: dict[torch.device, torch.Tensor] = {}

@@ -242,3 +242,17 @@ def quantize_weight_fp8(weight: torch.Tensor, granularity: Granularity, block: i
         q = quantize_fp8(tiles, scale[:, None, :, None]).view(n, k)
         return q, scale
     raise AssertionError(f"online weight granularity {granularity}")
+
+
+def reference_linear(x2: torch.Tensor, spec, weight: torch.Tensor, weight_scale, weight_global_scale=None,
+                     weight_zero_point=None, weight_g_idx=None, input_scale=None, input_global_scale=None,
+                     bias=None) -> torch.Tensor:
+    """The quantized linear's math in fp32: ``qdq(x2) @ dequantize(weight).T + bias`` for x2 [M, K] and
+    a QuantScheme ``spec``. Returns fp32 [M, N]; callers cast. Shared by the reference op and the
+    kernels' emulated backends, so there is one definition of what every kernel must compute."""
+    k = x2.shape[-1]
+    w = dequantize_weight(weight, weight_scale, spec.weight, weight_global_scale, weight_zero_point, weight_g_idx,
+                          k=k)
+    xf = qdq_activation(x2, spec.act, input_scale, input_global_scale) if spec.act is not None else x2.float()
+    out = xf @ w.t()
+    return out + bias.float() if bias is not None else out

@@ -61,16 +61,9 @@ def linear_ref(
         raise UnsupportedError(why, where=OP)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    w = quant_math.dequantize_weight(weight, weight_scale, spec.weight, weight_global_scale, weight_zero_point,
-                                     weight_g_idx, k=k)
-    if spec.act is not None:
-        xf = quant_math.qdq_activation(x2, spec.act, input_scale, input_global_scale)
-    else:
-        xf = x2.float()
-    out = xf @ w.t()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype).reshape(*lead, w.shape[0])
+    out = quant_math.reference_linear(x2, spec, weight, weight_scale, weight_global_scale, weight_zero_point,
+                                      weight_g_idx, input_scale, input_global_scale, bias)
+    return out.to(x.dtype).reshape(*lead, out.shape[-1])
 
 
 @linear_ref.register_fake
