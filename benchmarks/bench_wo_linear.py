@@ -23,6 +23,7 @@ from qcompile.bench import graph_time_us
 import torch.nn.functional as F
 
 from qcompile.kernels import wo_gemm as wg
+from qcompile.kernels import wo_mma
 from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, NVFP4_WEIGHT, Granularity, Packing, QDtype, QuantScheme,
                              ScaleSpec, WeightSpec, canonical_shape)
 
@@ -114,6 +115,8 @@ def bench_shape(args, n, k, g):
             continue
         qs = [random_weights(spec, n, k, g) for _ in range(copies_for(weight_bytes(random_weights(spec, n, k, g))))]
         ok = check(xs[16 if 16 in xs else args.m[0]], qs[0], spec)
+        res[f"{name} [wo_linear mma]"] = {m: timed([op_fn(xs[m], q, spec, "mma") for q in qs], c, r, m)
+                                          for m in args.m}
         res[f"{name} [wo_linear triton]"] = {m: timed([op_fn(xs[m], q, spec, "triton") for q in qs], c, r, m)
                                              for m in args.m}
         res[f"{name} [kernel, any M]"] = {m: timed([kernel_fn(xs[m], q, spec) for q in qs], c, r, m)
@@ -121,6 +124,8 @@ def bench_shape(args, n, k, g):
         res[f"{name} [dequant + F.linear]"] = {m: timed([op_fn(xs[m], q, spec, "dequant") for q in qs], c, r, m)
                                                for m in args.m}
         res[f"{name} check vs dequant (normwise rel)"] = ok
+        res[f"{name} mma check vs dequant (normwise rel)"] = check(xs[16 if 16 in xs else args.m[0]], qs[0], spec,
+                                                                    "mma")
         floors[f"floor {name} (µs)"] = {m: round((weight_bytes(qs[0]) + 4 * m * (k + n)) / args.tbps / 1e6, 1)
                                         for m in args.m}
         del qs
@@ -129,9 +134,9 @@ def bench_shape(args, n, k, g):
     return res
 
 
-def check(x, q, spec) -> float:
+def check(x, q, spec, backend="triton") -> float:
     """The kernel against the dequant backend on the benchmark's own data (normwise relative)."""
-    a = op_fn(x, q, spec, "triton")().float()
+    a = op_fn(x, q, spec, backend)().float()
     b = op_fn(x, q, spec, "dequant")().float()
     return round(((a - b).norm() / b.norm()).item(), 6)
 
@@ -209,6 +214,42 @@ def tune(args, g):
     return out
 
 
+MMA_VARIANTS = [dict(stages=s, warps=w, warps_per_sm=p, packed=k) for s, w, p, k in
+                [(4, 4, 16, False), (4, 8, 16, False), (2, 8, 16, False), (4, 4, 16, True), (4, 8, 16, True),
+                 (2, 8, 16, True), (8, 8, 16, True), (4, 8, 32, True), (2, 8, 32, True)]]
+
+
+def mma_sweep(args, g):
+    """Launch variants of the CUDA kernel at N=K=8192 (and N=28672) for int4 g128 and NVFP4."""
+    out = {}
+    for shape in args.shapes:
+        n, k = map(int, shape.split("x"))
+        for name in ("int4 g128", "nvfp4"):
+            spec = FORMATS[name]
+            one = random_weights(spec, n, k, g)
+            qs = [one] + [random_weights(spec, n, k, g) for _ in range(copies_for(weight_bytes(one)) - 1)]
+            for m in args.sweep_m:
+                x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+                ref = op_fn(x, qs[0], spec, "dequant")().float()
+                for v in MMA_VARIANTS:
+                    def fn(q, v=v, x=x):
+                        w = q["weight"]
+                        if v["packed"]:
+                            w = q.setdefault("packed", wo_mma.pack_words(w.view(torch.int32)).view(w.dtype))
+                        return lambda: wo_mma.wo_mma(x, w, q["weight_scale"], q["weight_global_scale"],
+                                                     None, None, spec, **v)
+                    try:
+                        err = round(((fn(qs[0])().float() - ref).norm() / ref.norm()).item(), 6)
+                        t = timed([fn(q) for q in qs], args.calls, args.replays, m)
+                    except Exception as e:  # noqa: BLE001
+                        err, t = None, f"fails: {type(e).__name__}: {str(e).splitlines()[0][:150]}"
+                    key = f"{shape} {name} M={m} {v}"
+                    out[key] = {"us": t, "rel_err": err}
+                    print(key, out[key], flush=True)
+            del qs
+    return out
+
+
 def markdown(table: dict, ms) -> str:
     lines = ["| variant | " + " | ".join(f"M={m}" for m in ms) + " |", "| --- |" + " --- |" * len(ms)]
     for name, row in table.items():
@@ -230,6 +271,9 @@ def main(argv=None):
     p.add_argument("--replays", type=int, default=25)
     p.add_argument("--tbps", type=float, default=3.0)
     p.add_argument("--tune", action="store_true", help="time the launch candidates first and use the fastest")
+    p.add_argument("--mma-sweep", action="store_true", help="time launch variants of the CUDA kernel first")
+    p.add_argument("--sweep-m", type=int, nargs="+", default=[1, 16, 32])
+    p.add_argument("--no-table", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -238,10 +282,13 @@ def main(argv=None):
     g = torch.Generator(device="cuda").manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "unit": "µs per call (median)",
               "wo_max_m": wg.WO_MAX_M}
+    if args.mma_sweep:
+        result["mma_sweep"] = mma_sweep(args, g)
+        save(result, args.out, t0)
     if args.tune:
         result["tune"] = tune(args, g)
         save(result, args.out, t0)
-    for shape in args.shapes:
+    for shape in [] if args.no_table else args.shapes:
         n, k = map(int, shape.split("x"))
         table = bench_shape(args, n, k, g)
         result[shape] = {name: {str(m): v for m, v in row.items()} if isinstance(row, dict) else row

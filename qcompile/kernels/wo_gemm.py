@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from ..errors import UnsupportedError
 from ..scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, WeightSpec, canonical_shape
 from ..scheme import parse_scheme_key
-from . import quant_math
+from . import quant_math, wo_mma
 from .fp8_quant_triton import HAS_TRITON, use_triton
 from .registry import Kernel, KernelQuery, cuda_reason, register
 from .wo_gemm_triton import FMT_E2M1, FMT_FP8, FMT_INT4, FMT_INT8, FMT_INT8_OFFSET, SK_E4M3, SK_E8M0, SK_FP32
@@ -56,7 +56,7 @@ if HAS_TRITON:
     from .wo_gemm_triton import _dequant_kernel, _permute_x_kernel, _splitk_reduce_kernel, _wo_gemm_kernel
 
 OP = "qcompile::wo_linear"
-BACKENDS = ("triton", "dequant")
+BACKENDS = ("mma", "triton", "dequant")
 
 # Above this many rows the "triton" backend dequantizes once and calls F.linear (measured crossover,
 # docs/kernels-wo.md).
@@ -313,7 +313,19 @@ def _triton(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
     return wo_gemm(x2, weight, scale, gs, zp, g_idx, bias, spec)
 
 
-_IMPLS = {"triton": _triton, "dequant": _dequant}
+def _mma(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
+    """The CUDA C++ kernel (wo_mma.cu) for bf16 x with M <= wo_mma.MAX_M; everything else as
+    ``triton`` (or ``dequant`` where Triton cannot run it)."""
+    n, k = weight.shape[0], x2.shape[1]
+    if (x2.is_cuda and x2.shape[0] <= wo_mma.MAX_M and g_idx is None
+            and wo_mma.mma_reason(spec, n, k, x2.dtype, None if zp is None else zp.dtype) is None):
+        return wo_mma.wo_mma(x2, weight, scale, gs, zp, bias, spec)
+    if use_triton(x2) and triton_shape_reason(spec, n, k) is None:
+        return _triton(x2, weight, scale, gs, zp, g_idx, bias, spec)
+    return _dequant(x2, weight, scale, gs, zp, g_idx, bias, spec)
+
+
+_IMPLS = {"mma": _mma, "triton": _triton, "dequant": _dequant}
 
 
 @torch.library.custom_op(OP, mutates_args=())
@@ -349,6 +361,11 @@ def check_triton(q: KernelQuery) -> str | None:
     return cuda_reason(q, (8, 0)) or triton_shape_reason(q.scheme.weight, q.n, q.k)
 
 
+def check_mma(q: KernelQuery) -> str | None:
+    why = wo_reason(q.scheme) or cuda_reason(q, (8, 0))
+    return why or wo_mma.mma_reason(q.scheme.weight, q.n, q.k, q.act_dtype)
+
+
 def check_dequant(q: KernelQuery) -> str | None:
     if q.scheme.act is not None and q.device != "cuda":
         # Dropping activation quantization buys speed only on a GPU; elsewhere stay faithful.
@@ -356,6 +373,10 @@ def check_dequant(q: KernelQuery) -> str | None:
     return wo_reason(q.scheme)
 
 
+WO_MMA = register(Kernel(
+    name="wo_mma", op=OP, backend="mma", priority=30, check=check_mma,
+    description="CUDA C++ (NVRTC) tensor-core weight-only GEMM for M <= 32, else as wo_triton",
+))
 WO_TRITON = register(Kernel(
     name="wo_triton", op=OP, backend="triton", priority=28, check=check_triton, requires=("triton",),
     description="Triton split-K weight-only GEMM (M <= WO_MAX_M of the format), else Triton dequant + F.linear",

@@ -364,15 +364,16 @@ def test_selection_by_capability(monkeypatch):
     names = [k.name for k in registry.kernels()]
     assert names.index("wo_triton") < names.index("wo_dequant") < names.index("reference")
     for name in SPECS:
-        assert registry.select(_q(name, (9, 0))).kernel.name == "wo_triton", name
-        assert registry.select(_q(name, (8, 0))).kernel.name == "wo_triton", name
+        want = "wo_triton" if SPECS[name].act_order else "wo_mma"  # wo_mma: test_wo_mma.py
+        assert registry.select(_q(name, (9, 0))).kernel.name == want, name
+        assert registry.select(_q(name, (8, 0))).kernel.name == want, name
         sel = registry.select(_q(name, (7, 5)))
         assert sel.kernel.name == "wo_dequant" and dict(sel.rejected)["wo_triton"] == \
             "needs compute capability >= 8.0, have 7.5"
         sel = registry.select(_q(name, None))
         assert sel.kernel.name == "wo_dequant" and dict(sel.rejected)["wo_triton"] == "needs a CUDA device, have cpu"
     monkeypatch.setitem(registry._AVAILABLE, "triton", False)
-    sel = registry.select(_q("int4_g128", (9, 0)))
+    sel = registry.select(_q("int4_g32_actorder", (9, 0)))
     assert sel.kernel.name == "wo_dequant" and dict(sel.rejected)["wo_triton"] == "triton is not installed"
 
 
@@ -397,7 +398,7 @@ def test_selection_reasons(monkeypatch):
         == "reference"
     # W4A4 on sm_90 runs weight-only (the pass warns)
     w4a4 = KernelQuery(QuantScheme(NVFP4_WEIGHT, NVFP4_ACT), "cuda", (9, 0), 4096, 4096)
-    assert registry.select(w4a4).kernel.name == "wo_triton"
+    assert registry.select(w4a4).kernel.name == "wo_mma"
 
 
 # -- GPU ------------------------------------------------------------------------------------------

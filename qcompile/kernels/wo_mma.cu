@@ -1,0 +1,402 @@
+// qcompile wo_mma: weight-only GEMM for decode-size M, tensor cores fed from registers.
+//
+//   out[M, N] (bf16) = x[M, K] (bf16) @ dequant(W)[N, K]^T  (+ bias), fp32 accumulation.
+//
+// The weight is streamed in its canonical checkpoint layout (row-major words, element k of a row
+// at bits BITS*(k % EPW) of word k / EPW; e2m1 bytes read as the same words), never repacked:
+//
+//  * The weight is the MMA's A operand (m16n8k16, rows = output features), x is B (n = 8 tokens).
+//    One warp owns 16 rows. Lane (r = lane / 4, q = lane % 4) loads 16 bytes of row r and 16 of
+//    row r + 8 per chunk: 4 words, 32 (4-bit) or 16 (8-bit) consecutive k of each row. A warp's
+//    load is 8 rows x 64 contiguous bytes, twice.
+//  * Inside one mma step the k order is free as long as A and B agree, so each lane uses the k of
+//    its own words: the A fragment is decoded in registers with no shuffles, and the B fragment
+//    (x) is gathered to match with byte permutes. x for the CTA's K range sits in shared memory,
+//    loaded once (swizzled: conflict-free 16-byte reads).
+//  * Scales: per row in the epilogue (tensor / channel), per chunk after the MMA in fp32 (groups
+//    that cover a whole chunk, e.g. int4 g128), or multiplied into the decoded values before it
+//    (smaller groups: NVFP4 16, MX 32; exact for e2m1/e4m3 x fp8/e8m0 scales in bf16).
+//  * Split-K over gridDim.y: fp32 partials, the last CTA of a column sums them in split order
+//    (deterministic) and writes bf16; its counter is reset for the next launch.
+//
+// Compile-time configuration (#defines prepended by wo_mma.py): FMT, SK, SMODE, GROUP, HAS_ZP,
+// ZP_T, HAS_GS, HAS_BIAS, MT (8-token tiles), STAGES (chunks in flight per warp), WARPS.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define FMT_INT4 0   // int32 words, 8 x (code + 8) nibbles
+#define FMT_E2M1 1   // e2m1 nibbles (uint8 pairs viewed as words)
+#define FMT_INT8U 2  // int32 words, 4 x (code + 128) bytes
+#define FMT_INT8S 3  // int8 bytes (two's complement)
+#define FMT_E4M3 4   // fp8 e4m3 bytes
+#define SK_FP32 0
+#define SK_E4M3 1
+#define SK_E8M0 2
+#define SMODE_END 0    // one scale per row (tensor / channel): applied in the epilogue
+#define SMODE_CHUNK 1  // group >= chunk: applied to each chunk's fp32 product
+#define SMODE_PRE 2    // group < chunk: multiplied into the decoded weights
+
+#define BITS ((FMT == FMT_INT4 || FMT == FMT_E2M1) ? 4 : 8)
+#define KPC (BITS == 4 ? 128 : 64)  // k per chunk (per row)
+#define KPL (KPC / 4)               // k per lane per chunk
+#define UNITS (KPL / 8)             // 16-byte x units per lane per chunk
+// x in shared memory: per row, per chunk X_CS bytes, lane q's units at X_SEG(q); row stride = 16 *
+// (a number = X_ROW_MOD mod 8). Then the 8 lanes of a quarter warp (rows r, r+1, q = 0..3) read 8
+// different 16-byte bank groups: conflict-free 16-byte loads.
+#define X_CS (KPC * 2 + (BITS == 4 ? 16 : 0))
+#define X_SEG(q) ((q) * KPL * 2 + (BITS == 4 ? ((q) >> 1) * 16 : 0))
+#define X_ROW_MOD (BITS == 4 ? 2 : 1)
+__device__ __forceinline__ int x_row_stride(int chunks) {
+  const int u = chunks * X_CS / 16;
+  return (u + (X_ROW_MOD - u % 8 + 8) % 8) * 16;
+}
+
+struct __align__(16) U4 { u32 v[4]; };
+
+__device__ __forceinline__ U4 ld_stream(const u32* p) {
+  U4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3]) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ U4 ld_shared(u32 addr) {
+  U4 r;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3]) : "r"(addr));
+  return r;
+}
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ float ld_cg(const float* p) {  // L2 (coherent across CTAs)
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+template <int LUT>
+__device__ __forceinline__ u32 lop3(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+  return d;
+}
+__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {  // bf16x2 a * b + c
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+  u32 d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+  u16 d;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(d) : "f"(f));
+  return d;
+}
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+#define BF2_ONE 0x3F803F80u
+#define BF2_NEG0 0x80008000u
+#define LUT_AND_OR 0xEA  // (a & b) | c
+
+// Scale value (fp32) of one stored scale element.
+__device__ __forceinline__ float scale_f32(const void* s, int i) {
+#if SK == SK_FP32
+  return ((const float*)s)[i];
+#else
+  u32 b = ((const unsigned char*)s)[i];
+#if SK == SK_E4M3
+  return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7Fu) << 20)) * 0x1p120f;  // exact, subnormals too
+#else
+  return b ? __uint_as_float(b << 23) : 0x1p-127f;
+#endif
+#endif
+}
+
+// Decoded pair p of a word: bf16x2 holding elements (p, p + 4) for 4-bit, (2p, 2p + 1) for 8-bit
+// (p = 0..1). `zz` is the pair to add (minus the code offset and zero point), `sc` the pre-scale.
+template <int P>
+__device__ __forceinline__ u32 decode(u32 w, u32 zz, u32 sc, float zf, float sf) {
+#if FMT == FMT_INT4
+  u32 t = lop3<LUT_AND_OR>(w >> (4 * P), 0x000F000Fu, 0x43004300u);  // 128 + code, exact
+  t = fma2(t, BF2_ONE, zz);                                           // code - 8 - z, exact
+#if SMODE == SMODE_PRE
+  t = fma2(t, sc, BF2_NEG0);
+#endif
+  return t;
+#elif FMT == FMT_E2M1
+  u32 y = w << (12 - 4 * P);  // nibbles p, p+4 at bits 12..15, 28..31
+  u32 t = lop3<LUT_AND_OR>(y, 0x80008000u, (y >> 6) & 0x01C001C0u);  // sign | e,m -> bf16 = v * 2^-126
+  t = fma2(t, 0x7E807E80u, BF2_NEG0);                                 // * 2^126: exact
+  return fma2(t, sc, BF2_NEG0);                                       // * scale: exact for fp8/e8m0
+#elif FMT == FMT_E4M3
+  u32 t = prmt(w, 0u, P ? 0x3424u : 0x1404u);  // bytes (2p, 2p+1) to bits 8..15 / 24..31
+  t = lop3<LUT_AND_OR>(t, 0x80008000u, (t >> 4) & 0x07F007F0u);  // bf16 = v * 2^-120
+  t = fma2(t, 0x7B807B80u, BF2_NEG0);                            // * 2^120: exact
+  return fma2(t, sc, BF2_NEG0);
+#else  // int8: through fp32 (2^23 + byte) - (2^23 + 128 + z)
+  float lo = __uint_as_float(prmt(w, 0x4B000000u, P ? 0x7542u : 0x7540u)) - zf;
+  float hi = __uint_as_float(prmt(w, 0x4B000000u, P ? 0x7543u : 0x7541u)) - zf;
+#if SMODE == SMODE_PRE
+  lo *= sf;
+  hi *= sf;
+#endif
+  return pack_bf16(lo, hi);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restrict__ s,
+       const ZP_T* __restrict__ zp, const float* __restrict__ gs, const u16* __restrict__ bias,
+       u16* __restrict__ out, float* __restrict__ part, int* __restrict__ counters,
+       int M, int N, int K, int ss, int cps) {
+  extern __shared__ __align__(16) unsigned char xs[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r = lane >> 2, q = lane & 3;
+  const int n0 = (blockIdx.x * WARPS + warp) * 16;
+  const bool active = n0 < N;  // N % 16 == 0; idle warps still join the barriers
+  const int nch = K / KPC;
+  const int c0 = blockIdx.y * cps, c1 = min(c0 + cps, nch);
+  const int ks = (c1 - c0) * KPC;          // this CTA's K range
+  const int rs = x_row_stride(c1 - c0);    // x row stride in shared memory (bytes)
+  const int wpr = K / (32 / BITS);         // words per weight row
+  const int rowa = active ? n0 + r : 0;
+#if PACKED  // [N/16][K/KPC][2][32 lanes][4 words]: a warp streams one contiguous run
+#define CH_STRIDE 256
+  const u32* wa = w + (size_t)(active ? n0 / 16 : 0) * nch * 256 + lane * 4;
+  const u32* wb = wa + 128;
+#else
+#define CH_STRIDE 16
+  const u32* wa = w + (size_t)rowa * wpr + q * 4;
+  const u32* wb = wa + (size_t)8 * wpr;
+#endif
+
+  // Per-lane scale / zero-point row bases.
+  const int sra = rowa * ss, srb = (rowa + 8) * ss;
+
+  U4 ra[STAGES], rb[STAGES];
+#pragma unroll
+  for (int i = 0; i < STAGES; i++)
+    if (active && c0 + i < c1) {
+      ra[i] = ld_stream(wa + (size_t)(c0 + i) * CH_STRIDE);
+      rb[i] = ld_stream(wb + (size_t)(c0 + i) * CH_STRIDE);
+    }
+
+  // x[:, c0*KPC : c1*KPC] -> shared memory, in the order the MMA reads it (see X_SEG / X_ROW_MOD):
+  // lane q's 16-byte units of a chunk are contiguous, 4-bit units hold (x0,x4,x1,x5,x2,x6,x3,x7).
+  {
+    const int upc = KPC / 8;
+    const u32 base = smem_addr(xs);
+    for (int i = threadIdx.x; i < M * (ks / 8); i += WARPS * 32) {
+      const int m = i / (ks / 8), gu = i - m * (ks / 8);
+      U4 v = *(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8);
+#if BITS == 4
+      v = U4{{prmt(v.v[0], v.v[2], 0x5410u), prmt(v.v[0], v.v[2], 0x7632u), prmt(v.v[1], v.v[3], 0x5410u),
+              prmt(v.v[1], v.v[3], 0x7632u)}};
+#endif
+      const int wu = gu % upc, qq = wu / UNITS;
+      const u32 off = (gu / upc) * X_CS + X_SEG(qq) + (wu % UNITS) * 16;
+      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(base + m * rs + off),
+                   "r"(v.v[0]), "r"(v.v[1]), "r"(v.v[2]), "r"(v.v[3]));
+    }
+  }
+  __syncthreads();
+  const u32 xlane = smem_addr(xs) + X_SEG(q);
+
+  float acc[MT][4];
+#pragma unroll
+  for (int t = 0; t < MT; t++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[t][i] = 0.f;
+
+  // Row constants for tensor / channel scales and zero points.
+#if SMODE == SMODE_END
+  const float s_a = scale_f32(s, sra), s_b = scale_f32(s, srb);
+#endif
+
+  if (active) {
+    for (int c = c0; c < c1; c += STAGES) {
+#pragma unroll
+      for (int st = 0; st < STAGES; st++) {
+        const int ch = c + st;
+        if (ch < c1) {
+          const U4 A = ra[st], B = rb[st];
+          // scales / zero points of this chunk (group index of the lane's first k)
+          const int kl = ch * KPC + q * KPL;
+#if SMODE == SMODE_END
+          const int gi = 0;
+#else
+          const int gi = kl / GROUP;
+#endif
+#if HAS_ZP
+          const float za = (float)zp[sra + gi], zb = (float)zp[srb + gi];
+#else
+          const float za = 0.f, zb = 0.f;
+#endif
+          // the constant added to the decoded codes, per row
+#if FMT == FMT_INT4
+          const u32 zza = pack_bf16(-136.f - za, -136.f - za), zzb = pack_bf16(-136.f - zb, -136.f - zb);
+#else
+          const u32 zza = 0, zzb = 0;
+#endif
+          const float zfa = 8388608.f + 128.f + za, zfb = 8388608.f + 128.f + zb;
+#if SMODE == SMODE_PRE
+          // 4-bit with groups of 16: words 0-1 and 2-3 of the lane take two scales
+          const int g2 = (BITS == 4 && GROUP == 16) ? 1 : 0;
+          const float sa0 = scale_f32(s, sra + gi), sb0 = scale_f32(s, srb + gi);
+          const float sa1 = g2 ? scale_f32(s, sra + gi + 1) : sa0, sb1 = g2 ? scale_f32(s, srb + gi + 1) : sb0;
+          const u32 pa0 = pack_bf16(sa0, sa0), pb0 = pack_bf16(sb0, sb0);
+          const u32 pa1 = pack_bf16(sa1, sa1), pb1 = pack_bf16(sb1, sb1);
+#else
+          const float sa0 = 1.f, sb0 = 1.f, sa1 = 1.f, sb1 = 1.f;
+          const u32 pa0 = 0, pb0 = 0, pa1 = 0, pb1 = 0;
+#endif
+#if SMODE == SMODE_CHUNK
+          float tmp[MT][4];
+#pragma unroll
+          for (int t = 0; t < MT; t++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) tmp[t][i] = 0.f;
+#define DST tmp
+#else
+#define DST acc
+#endif
+          // x units of this chunk, per token tile (zeros for rows >= M)
+          U4 X[MT][UNITS];
+#pragma unroll
+          for (int t = 0; t < MT; t++) {
+            const int tok = t * 8 + r;
+            const u32 a = xlane + tok * rs + (ch - c0) * X_CS;
+#pragma unroll
+            for (int u = 0; u < UNITS; u++) {
+              if (tok < M) X[t][u] = ld_shared(a + u * 16);
+              else X[t][u] = U4{{0u, 0u, 0u, 0u}};
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < 4; j++) {
+#if FMT == FMT_INT8S
+            const u32 wa_ = A.v[j] ^ 0x80808080u, wb_ = B.v[j] ^ 0x80808080u;  // two's complement -> code + 128
+#else
+            const u32 wa_ = A.v[j], wb_ = B.v[j];
+#endif
+            const u32 sca = (j < 2) ? pa0 : pa1, scb = (j < 2) ? pb0 : pb1;
+            const float sfa = (j < 2) ? sa0 : sa1, sfb = (j < 2) ? sb0 : sb1;
+#if BITS == 4
+            // word j: 8 k; two steps (h), pairs (2h, 2h+4) and (2h+1, 2h+5)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+              const u32 a0 = h ? decode<2>(wa_, zza, sca, zfa, sfa) : decode<0>(wa_, zza, sca, zfa, sfa);
+              const u32 a1 = h ? decode<2>(wb_, zzb, scb, zfb, sfb) : decode<0>(wb_, zzb, scb, zfb, sfb);
+              const u32 a2 = h ? decode<3>(wa_, zza, sca, zfa, sfa) : decode<1>(wa_, zza, sca, zfa, sfa);
+              const u32 a3 = h ? decode<3>(wb_, zzb, scb, zfb, sfb) : decode<1>(wb_, zzb, scb, zfb, sfb);
+#pragma unroll
+              for (int t = 0; t < MT; t++) {
+                const U4 xv = X[t][j];  // x[k .. k+7] of this word, as (0,4) (1,5) (2,6) (3,7)
+                mma(DST[t], a0, a1, a2, a3, xv.v[2 * h], xv.v[2 * h + 1]);
+              }
+            }
+#else
+            // word j: 4 k, one step; pairs (0, 1) and (2, 3)
+            const u32 a0 = decode<0>(wa_, zza, sca, zfa, sfa), a1 = decode<0>(wb_, zzb, scb, zfb, sfb);
+            const u32 a2 = decode<1>(wa_, zza, sca, zfa, sfa), a3 = decode<1>(wb_, zzb, scb, zfb, sfb);
+#pragma unroll
+            for (int t = 0; t < MT; t++) {
+              const U4 xv = X[t][j >> 1];
+              mma(DST[t], a0, a1, a2, a3, xv.v[(j & 1) * 2], xv.v[(j & 1) * 2 + 1]);
+            }
+#endif
+          }
+#if SMODE == SMODE_CHUNK
+          const float cs_a = scale_f32(s, sra + gi), cs_b = scale_f32(s, srb + gi);
+#pragma unroll
+          for (int t = 0; t < MT; t++) {
+            acc[t][0] += tmp[t][0] * cs_a;
+            acc[t][1] += tmp[t][1] * cs_a;
+            acc[t][2] += tmp[t][2] * cs_b;
+            acc[t][3] += tmp[t][3] * cs_b;
+          }
+#endif
+#undef DST
+          if (ch + STAGES < c1) {  // refill this stage once its words are decoded
+            ra[st] = ld_stream(wa + (size_t)(ch + STAGES) * CH_STRIDE);
+            rb[st] = ld_stream(wb + (size_t)(ch + STAGES) * CH_STRIDE);
+          }
+        }
+      }
+    }
+  }
+#if SMODE == SMODE_END
+#pragma unroll
+  for (int t = 0; t < MT; t++) {
+    acc[t][0] *= s_a; acc[t][1] *= s_a; acc[t][2] *= s_b; acc[t][3] *= s_b;
+  }
+#endif
+  const float g = HAS_GS ? gs[0] : 1.f;
+
+  if (gridDim.y == 1) {
+    if (active) {
+#pragma unroll
+      for (int t = 0; t < MT; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          const int tok = t * 8 + 2 * q + (i & 1), n = n0 + r + (i >> 1) * 8;
+          if (tok < M) {
+            float v = acc[t][i] * g;
+#if HAS_BIAS
+            v += bf16_to_f32(bias[n]);
+#endif
+            out[(size_t)tok * N + n] = f32_to_bf16(v);
+          }
+        }
+    }
+    return;
+  }
+  // split-K: partials, then the last CTA of this column reduces in split order
+  if (active) {
+    float* p = part + (size_t)blockIdx.y * M * N;
+#pragma unroll
+    for (int t = 0; t < MT; t++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const int tok = t * 8 + 2 * q + (i & 1), n = n0 + r + (i >> 1) * 8;
+        if (tok < M) p[(size_t)tok * N + n] = acc[t][i];
+      }
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(&counters[blockIdx.x], 1);
+    is_last = prev == (int)gridDim.y - 1;
+    if (is_last) counters[blockIdx.x] = 0;
+  }
+  __syncthreads();
+  if (!is_last || !active) return;
+  __threadfence();
+  for (int i = lane; i < 16 * M; i += 32) {
+    const int tok = i >> 4, n = n0 + (i & 15);
+    float v = 0.f;
+    for (int sp = 0; sp < (int)gridDim.y; sp++) v += ld_cg(part + ((size_t)sp * M + tok) * N + n);
+    v *= g;
+#if HAS_BIAS
+    v += bf16_to_f32(bias[n]);
+#endif
+    out[(size_t)tok * N + n] = f32_to_bf16(v);
+  }
+}

@@ -1,0 +1,257 @@
+"""The ``mma`` backend of ``qcompile::wo_linear``: a CUDA C++ weight-only GEMM for decode-size M.
+
+``wo_mma.cu`` holds the kernel (its header comment explains the design): tensor cores (mma.sync
+m16n8k16, bf16) fed with weights decoded in registers, straight from the canonical checkpoint
+layout (no repacking), x in shared memory, split-K reduced by the last CTA of each column.
+
+It is compiled at first use for the running GPU with NVRTC, the runtime compiler that ships with
+PyTorch's CUDA build (no CUDA toolkit, no C++ compiler, no ninja needed), one specialization per
+(format, scale mode, M tile, ...) and cached for the process. ``QCOMPILE_NVRTC`` may name another
+``libnvrtc.so`` (used to compile for sm_90 on a machine without a GPU, to read the SASS).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..scheme import Granularity, Packing, QDtype, ScaleDtype, WeightSpec
+
+SOURCE = Path(__file__).with_name("wo_mma.cu")
+
+FMT = {(QDtype.INT4, Packing.INT32): 0, (QDtype.FP4_E2M1, Packing.UINT8): 1, (QDtype.INT8, Packing.INT32): 2,
+       (QDtype.INT8, Packing.NONE): 3, (QDtype.FP8_E4M3, Packing.NONE): 4}
+SK = {ScaleDtype.FP32: 0, ScaleDtype.FP8_E4M3: 1, ScaleDtype.E8M0: 2}
+SMODE_END, SMODE_CHUNK, SMODE_PRE = 0, 1, 2
+ZP_TYPES = {torch.int32: "int", torch.int8: "signed char", torch.uint8: "unsigned char"}
+MAX_M = 32  # 4 token tiles of 8; above, the Triton kernel / dequant + F.linear
+# Shared memory for x per CTA (M x K-range bf16); split-K grows until it fits.
+SMEM_BUDGET = 96 * 1024
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """One compiled specialization (the #defines) plus its launch shape."""
+
+    fmt: int
+    sk: int
+    smode: int
+    group: int
+    has_zp: bool
+    zp_t: str
+    has_gs: bool
+    has_bias: bool
+    mt: int
+    stages: int = 4
+    warps: int = 4
+    packed: bool = False
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.fmt in (0, 1) else 8
+
+    @property
+    def kpc(self) -> int:  # k per chunk (per row)
+        return 128 if self.bits == 4 else 64
+
+    def defines(self) -> str:
+        d = dict(FMT=self.fmt, SK=self.sk, SMODE=self.smode, GROUP=max(self.group, 1), HAS_ZP=int(self.has_zp),
+                 ZP_T=self.zp_t, HAS_GS=int(self.has_gs), HAS_BIAS=int(self.has_bias), MT=self.mt,
+                 STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed))
+        return "".join(f"#define {k} {v}\n" for k, v in d.items())
+
+
+def pack_words(words: torch.Tensor) -> torch.Tensor:
+    """Canonical weight words [N, W] -> the kernel's streaming order (same shape and bytes):
+    [N/16 tiles][W/16 chunks][2 row halves][8 rows][4 lanes][4 words], so that each warp reads
+    one contiguous run. Exact permutation; :func:`unpack_words` inverts it."""
+    n, w = words.shape
+    return words.view(n // 16, 2, 8, w // 16, 4, 4).permute(0, 3, 1, 2, 4, 5).contiguous().view(n, w)
+
+
+def unpack_words(packed: torch.Tensor) -> torch.Tensor:
+    n, w = packed.shape
+    return packed.view(n // 16, w // 16, 2, 8, 4, 4).permute(0, 2, 3, 1, 4, 5).contiguous().view(n, w)
+
+
+def chunk_k(spec: WeightSpec) -> int:
+    return 128 if spec.dtype.bits == 4 else 64
+
+
+def scale_mode(spec: WeightSpec) -> tuple[int, int]:
+    gran = spec.scale.granularity
+    if gran in (Granularity.TENSOR, Granularity.CHANNEL):
+        return SMODE_END, 0
+    g = spec.scale.group_size
+    return (SMODE_CHUNK if g >= chunk_k(spec) else SMODE_PRE), g
+
+
+def mma_reason(spec: WeightSpec, n: int, k: int, x_dtype: torch.dtype = torch.bfloat16,
+               zp_dtype: torch.dtype | None = None) -> str | None:
+    """None when the kernel runs this weight for bf16 x (any M <= MAX_M), else why not."""
+    if (spec.dtype, spec.packing) not in FMT:
+        return f"{spec.dtype.value} weights packed as {spec.packing.value}"
+    if x_dtype != torch.bfloat16:
+        return f"x is {x_dtype}, the kernel takes bf16"
+    if spec.act_order:
+        return "act-order (g_idx) weights"
+    if spec.scale.granularity not in (Granularity.TENSOR, Granularity.CHANNEL, Granularity.GROUP):
+        return f"scales per {spec.scale.granularity.value}"
+    kc = chunk_k(spec)
+    if n % 16 or k % kc:
+        return f"[N, K] = [{n}, {k}]: N must be a multiple of 16 and K of {kc}"
+    if spec.scale.granularity is Granularity.GROUP:
+        g = spec.scale.group_size
+        if g < 16 or g & (g - 1) or k % g:
+            return f"group size {g} (a power of two >= 16 dividing K expected)"
+        if spec.dtype is QDtype.FP8_E4M3 and spec.scale.dtype is not ScaleDtype.E8M0:
+            return "fp8 weights with fp32 scales belong to qcompile::fp8_linear"
+    if zp_dtype is not None and zp_dtype not in ZP_TYPES:
+        return f"zero points of dtype {zp_dtype}"
+    return None
+
+
+# -- NVRTC -----------------------------------------------------------------------------------------
+
+def _nvrtc() -> ctypes.CDLL:
+    path = os.environ.get("QCOMPILE_NVRTC")
+    if path:
+        return ctypes.CDLL(path)
+    from torch.cuda._utils import _get_gpu_rtc_library
+
+    return _get_gpu_rtc_library()
+
+
+def compile_cubin(src: str, arch: str, name: str = "wo_mma", extra: tuple[str, ...] = ()) -> bytes:
+    """NVRTC ``src`` for ``sm_<arch>``; the cubin. Compilation errors raise with NVRTC's log."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            msg = ctypes.c_char_p()
+            lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+            raise RuntimeError(f"NVRTC {what} failed: {lib.nvrtcGetErrorString(rc).decode()}")
+
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(), 0, None, None), "create")
+    opts = [f"--gpu-architecture=sm_{arch}", "-std=c++17", *extra]
+    arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    if rc != 0:
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        raise RuntimeError(f"NVRTC compilation of {name} failed:\n{log.value.decode()}")
+    size = ctypes.c_size_t()
+    check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+    buf = ctypes.create_string_buffer(size.value)
+    check(lib.nvrtcGetCUBIN(prog, buf), "cubin")
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return buf.raw
+
+
+def source(cfg: MmaConfig) -> str:
+    return cfg.defines() + SOURCE.read_text()
+
+
+_KERNELS: dict[tuple, object] = {}
+
+
+def _kernel(cfg: MmaConfig, device: torch.device):
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (cfg, idx)
+    if key not in _KERNELS:
+        from torch.cuda._utils import _cuda_load_module
+
+        major, minor = torch.cuda.get_device_capability(idx)
+        with torch.cuda.device(idx):
+            cubin = compile_cubin(source(cfg), f"{major}{minor}")
+            _KERNELS[key] = _cuda_load_module(cubin, ["wo_mma"])["wo_mma"]
+    return _KERNELS[key]
+
+
+# -- launch ----------------------------------------------------------------------------------------
+
+_COUNTERS: dict[int, torch.Tensor] = {}
+_SMS: dict[int, int] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per CTA column; each launch leaves them zero again."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    t = _COUNTERS.get(idx)
+    if t is None or t.numel() < n:
+        t = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[idx] = t
+    return t
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def x_row_stride(chunks: int, bits: int) -> int:
+    """Bytes per x row in shared memory (wo_mma.cu: x_row_stride)."""
+    u = chunks * (256 + 16 if bits == 4 else 128) // 16
+    mod = 2 if bits == 4 else 1
+    return (u + (mod - u % 8 + 8) % 8) * 16
+
+
+def plan(m: int, n: int, k: int, kpc: int, warps: int, stages: int, sms: int, split: int | None = None,
+         warps_per_sm: int = 16) -> tuple[int, int, int]:
+    """(CTA columns, split, chunks per split): about ``warps_per_sm`` warps per SM, each streaming
+    at least ``stages`` chunks, and the CTA's x slice within SMEM_BUDGET."""
+    cols = -(-(n // 16) // warps)
+    nch = k // kpc
+    if split is None:
+        split = max(1, min(round(warps_per_sm * sms / (cols * warps)), nch // stages))
+        while split < nch and m * x_row_stride(-(-nch // split), 4 if kpc == 128 else 8) > SMEM_BUDGET:
+            split += 1
+    cps = -(-nch // split)
+    return cols, -(-nch // cps), cps
+
+
+def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec: WeightSpec,
+           stages: int = 4, warps: int = 4, split: int | None = None, warps_per_sm: int = 16,
+           packed: bool = False) -> torch.Tensor:
+    """x2 [M, K] contiguous bf16 (M <= MAX_M) -> [M, N] bf16. Checks are the caller's
+    (:func:`mma_reason`); the tensors are the op's canonical ones."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    smode, group = scale_mode(spec)
+    zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
+    cfg = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
+                    zp_t, global_scale is not None, bias is not None, -(-m // 8), stages, warps, packed)
+    gran = spec.scale.granularity
+    s = scale.contiguous()
+    if s.dtype != torch.float32:
+        s = s.view(torch.uint8)
+    ss = 0 if gran is Granularity.TENSOR else (1 if gran is Granularity.CHANNEL else s.shape[-1])
+    if x2.data_ptr() % 16:
+        x2 = x2.clone()
+    cols, nsplit, cps = plan(m, n, k, cfg.kpc, warps, stages, _sm_count(x2.device), split, warps_per_sm)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
+    part = torch.empty((nsplit, m, n), dtype=torch.float32, device=x2.device) if nsplit > 1 else out
+    counters = _counters(x2.device, cols)
+    smem = m * x_row_stride(cps, cfg.bits)
+    kern = _kernel(cfg, x2.device)
+    if smem > kern._max_shared_mem_bytes:
+        kern.set_shared_memory_config(max(smem, 48 * 1024))
+    w = weight.contiguous().view(torch.int32)
+    dummy = out
+    kern(grid=(cols, nsplit, 1), block=(32 * warps, 1, 1),
+         args=[x2, w, s, zero_point.contiguous() if zero_point is not None else dummy,
+               global_scale.float().reshape(1) if global_scale is not None else dummy,
+               bias.to(torch.bfloat16).contiguous() if bias is not None else dummy,
+               out, part, counters, m, n, k, ss, cps],
+         shared_mem=smem)
+    return out

@@ -1,0 +1,179 @@
+"""The CUDA C++ weight-only kernel (qcompile/kernels/wo_mma.cu, backend "mma" of qcompile::wo_linear).
+
+CPU: what it accepts, how it splits the work, that the source compiles for sm_90 when an NVRTC
+library is at hand (QCOMPILE_NVRTC), and selection with the capability mocked. GPU (-m gpu): every
+format against the fp32 reference on fresh data, M = 1..32, shapes with idle warps and uneven
+splits, forced split counts, determinism and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from qcompile.kernels import quant_math, registry
+from qcompile.kernels import wo_gemm as wg
+from qcompile.kernels import wo_mma
+from qcompile.kernels.registry import KernelQuery
+from qcompile.scheme import Granularity, Packing, QDtype, QuantScheme, ScaleSpec, WeightSpec
+
+from .test_wo_gemm import SPECS, _gpu_case, op_args
+
+HAS_CUDA = torch.cuda.is_available()
+MMA_NAMES = [n for n, s in SPECS.items() if not s.act_order]
+
+
+def _spec(name):
+    return SPECS[name]
+
+
+def test_reasons():
+    assert wo_mma.mma_reason(_spec("int4_g128"), 4096, 4096) is None
+    assert wo_mma.mma_reason(_spec("int4_g32_actorder"), 4096, 4096) == "act-order (g_idx) weights"
+    assert wo_mma.mma_reason(_spec("nvfp4"), 4096, 4096, torch.float16) == "x is torch.float16, the kernel takes bf16"
+    assert wo_mma.mma_reason(_spec("int4_g128"), 4100, 4096) == \
+        "[N, K] = [4100, 4096]: N must be a multiple of 16 and K of 128"
+    assert wo_mma.mma_reason(_spec("int8_channel_packed"), 4096, 4128) == \
+        "[N, K] = [4096, 4128]: N must be a multiple of 16 and K of 64"
+    g48 = WeightSpec(QDtype.INT4, ScaleSpec(Granularity.GROUP, group_size=48), Packing.INT32)
+    assert wo_mma.mma_reason(g48, 4096, 4096).startswith("group size 48")
+    assert wo_mma.mma_reason(_spec("int4_g128_zp"), 4096, 4096, zp_dtype=torch.int64) == \
+        "zero points of dtype torch.int64"
+
+
+def test_scale_modes():
+    assert wo_mma.scale_mode(_spec("int4_channel")) == (wo_mma.SMODE_END, 0)
+    assert wo_mma.scale_mode(_spec("int4_g128")) == (wo_mma.SMODE_CHUNK, 128)
+    assert wo_mma.scale_mode(_spec("int4_g64")) == (wo_mma.SMODE_PRE, 64)
+    assert wo_mma.scale_mode(_spec("nvfp4")) == (wo_mma.SMODE_PRE, 16)
+    assert wo_mma.scale_mode(_spec("int8_g128")) == (wo_mma.SMODE_CHUNK, 128)
+    assert wo_mma.scale_mode(_spec("mxfp8")) == (wo_mma.SMODE_PRE, 32)
+
+
+@pytest.mark.parametrize("m,n,k,kpc", [(1, 8192, 8192, 128), (16, 8192, 8192, 128), (32, 28672, 8192, 128),
+                                        (1, 4112, 4224, 128), (8, 2048, 8192, 64)])
+def test_plan_covers_k_and_fits_shared_memory(m, n, k, kpc):
+    cols, split, cps = wo_mma.plan(m, n, k, kpc, warps=4, stages=4, sms=132)
+    nch = k // kpc
+    assert cols * 4 * 16 >= n > (cols - 1) * 4 * 16
+    assert (split - 1) * cps < nch <= split * cps  # every chunk once, no empty split
+    assert m * wo_mma.x_row_stride(cps, 4 if kpc == 128 else 8) <= wo_mma.SMEM_BUDGET
+
+
+@pytest.mark.parametrize("n,w", [(16, 16), (48, 64), (4096, 512)])
+def test_pack_words_round_trip(n, w):
+    words = torch.randint(-2**31, 2**31 - 1, (n, w), dtype=torch.int32)
+    packed = wo_mma.pack_words(words)
+    assert packed.shape == words.shape and torch.equal(wo_mma.unpack_words(packed), words)
+    # warp (tile t, chunk c), half h, lane l = 4r + q, word j <- row 16t + 8h + r, word 16c + 4q + j
+    t, c, h, r, q, j = n // 16 - 1, w // 16 - 1, 1, 5, 3, 2
+    assert packed.view(-1)[((t * (w // 16) + c) * 2 + h) * 128 + (4 * r + q) * 4 + j] == \
+        words[16 * t + 8 * h + r, 16 * c + 4 * q + j]
+
+
+def _q(name, capability, act_dtype=torch.bfloat16):
+    return KernelQuery(QuantScheme(SPECS[name]), "cuda" if capability else "cpu", capability, 4096, 4096, act_dtype)
+
+
+def test_selection(monkeypatch):
+    monkeypatch.setitem(registry._AVAILABLE, "triton", True)
+    for name in SPECS:
+        want = "wo_triton" if SPECS[name].act_order else "wo_mma"
+        assert registry.select(_q(name, (9, 0))).kernel.name == want, name
+        assert registry.select(_q(name, (8, 0))).kernel.name == want, name
+    sel = registry.select(_q("nvfp4", (9, 0), torch.float16))
+    assert sel.kernel.name == "wo_triton"
+    assert dict(sel.rejected)["wo_mma"] == "x is torch.float16, the kernel takes bf16"
+    sel = registry.select(_q("int4_g128", (7, 5)))
+    assert dict(sel.rejected)["wo_mma"] == "needs compute capability >= 8.0, have 7.5"
+
+
+NVRTC = os.environ.get("QCOMPILE_NVRTC")
+
+
+@pytest.mark.skipif(not NVRTC and not HAS_CUDA, reason="needs an NVRTC library (QCOMPILE_NVRTC) or a GPU")
+@pytest.mark.parametrize("name", MMA_NAMES)
+@pytest.mark.parametrize("mt", [1, 4])
+def test_source_compiles_for_sm90(name, mt):
+    spec = SPECS[name]
+    smode, group = wo_mma.scale_mode(spec)
+    cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
+                           spec.zero_point, "int", spec.global_scale, True, mt)
+    cubin = wo_mma.compile_cubin(wo_mma.source(cfg), "90")
+    assert cubin[:4] == b"\x7fELF"
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+GPU_MS = (1, 3, 8, 9, 16, 17, 32)
+GPU_NK = ((4096, 4096), (4112, 4224), (8192, 8192))
+
+
+def _check(out, case, k, what):
+    spec = wg.parse_scheme_key(case["scheme"]).weight
+    w = quant_math.dequantize_weight(case["weight"], case["weight_scale"], spec, case["weight_global_scale"],
+                                     case["weight_zero_point"], case["weight_g_idx"], k)
+    ref = case["x"].float() @ w.t() + (0 if case["bias"] is None else case["bias"].float())
+    out = out.float()
+    assert out.shape == ref.shape and bool(torch.isfinite(out).all()), what
+    rms = ref.pow(2).mean().sqrt()
+    worst = ((out - ref).abs() - (2.0**-7 * ref.abs() + 2.0**-6 * rms)).max().item()
+    assert worst <= 0, f"{what}: exceeds tolerance by {worst:.3g}"
+    assert ((out - ref).norm() / ref.norm()).item() < 4e-3, what
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("n,k", GPU_NK, ids=str)
+@pytest.mark.parametrize("name", MMA_NAMES)
+def test_gpu_mma_matches_reference(name, n, k):
+    """Per output |out - ref| <= 2^-7 |ref| + 2^-6 rms(ref) against fp32 x @ dequantize(W).T (+ bias):
+    bf16 output rounding, and int4/int8 weights with groups smaller than a chunk scaled in bf16 before
+    the MMA (e2m1 / e4m3 values times fp8 / e8m0 scales are exact there); normwise < 4e-3."""
+    if k % wo_mma.chunk_k(SPECS[name]) or k % max(SPECS[name].scale.group_size, 1):
+        pytest.skip("shape not a multiple of the chunk / group")
+    for i, m in enumerate(GPU_MS):
+        case = _gpu_case(name, m, n, k, torch.bfloat16, seed=i)
+        _check(torch.ops.qcompile.wo_linear(*op_args(case, "mma")), case, k, f"{name} M={m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name", ["int4_g128", "nvfp4", "int8_channel_packed"])
+def test_gpu_mma_forced_splits_and_determinism(name):
+    n = k = 4096
+    for m in (1, 16):
+        case = _gpu_case(name, m, n, k, torch.bfloat16, seed=m + 1)
+        spec = wg.parse_scheme_key(case["scheme"]).weight
+        args = (case["x"], case["weight"], case["weight_scale"], case["weight_global_scale"],
+                case["weight_zero_point"], case["bias"], spec)
+        w = case["weight"]
+        packed = wo_mma.pack_words(w.view(torch.int32)).view(w.dtype)
+        for split in (1, 3, 7, k // wo_mma.chunk_k(spec)):
+            for stages, warps, pk in ((2, 4, False), (4, 8, True), (8, 4, True), (4, 16, True)):
+                a = (args[0], packed if pk else w) + args[2:]
+                out = wo_mma.wo_mma(*a, stages=stages, warps=warps, split=split, packed=pk)
+                _check(out, case, k, f"{name} M={m} split={split} stages={stages} warps={warps} packed={pk}")
+                assert torch.equal(out, wo_mma.wo_mma(*a, stages=stages, warps=warps, split=split, packed=pk))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_mma_cuda_graph():
+    case = _gpu_case("nvfp4", 4, 4096, 4096, torch.bfloat16, seed=5)
+    fn = lambda: torch.ops.qcompile.wo_linear(*op_args(case, "mma"))  # noqa: E731
+    want = fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
