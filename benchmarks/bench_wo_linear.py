@@ -17,13 +17,15 @@ import itertools
 import json
 import time
 
+from dataclasses import replace
+
 import torch
 
 from qcompile.bench import graph_time_us
 import torch.nn.functional as F
 
 from qcompile.kernels import wo_gemm as wg
-from qcompile.kernels import wo_mma
+from qcompile.kernels import quant_math, wo_mma
 from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, NVFP4_WEIGHT, Granularity, Packing, QDtype, QuantScheme,
                              ScaleSpec, WeightSpec, canonical_shape)
 
@@ -117,6 +119,13 @@ def bench_shape(args, n, k, g):
         ok = check(xs[16 if 16 in xs else args.m[0]], qs[0], spec)
         res[f"{name} [wo_linear mma]"] = {m: timed([op_fn(xs[m], q, spec, "mma") for q in qs], c, r, m)
                                           for m in args.m}
+        tiled = replace(spec, tiled=True)  # what a model loaded onto the GPU runs (weights tiled at load)
+        qts = [dict(q, weight=quant_math.tile_words(q["weight"])) for q in qs]
+        res[f"{name} [wo_linear mma, tiled]"] = {m: timed([op_fn(xs[m], q, tiled, "mma") for q in qts], c, r, m)
+                                                 for m in args.m}
+        res[f"{name} mma tiled check vs dequant (normwise rel)"] = check(xs[16 if 16 in xs else args.m[0]], qts[0],
+                                                                          tiled, "mma")
+        del qts
         res[f"{name} [wo_linear triton]"] = {m: timed([op_fn(xs[m], q, spec, "triton") for q in qs], c, r, m)
                                              for m in args.m}
         res[f"{name} [kernel, any M]"] = {m: timed([kernel_fn(xs[m], q, spec) for q in qs], c, r, m)
@@ -233,11 +242,12 @@ def mma_sweep(args, g):
                 ref = op_fn(x, qs[0], spec, "dequant")().float()
                 for v in MMA_VARIANTS:
                     def fn(q, v=v, x=x):
-                        w = q["weight"]
-                        if v["packed"]:
-                            w = q.setdefault("packed", wo_mma.pack_words(w.view(torch.int32)).view(w.dtype))
+                        v = dict(v)
+                        w, sp = q["weight"], spec
+                        if v.pop("packed"):
+                            w, sp = q.setdefault("tiled", quant_math.tile_words(w)), replace(spec, tiled=True)
                         return lambda: wo_mma.wo_mma(x, w, q["weight_scale"], q["weight_global_scale"],
-                                                     None, None, spec, **v)
+                                                     None, None, sp, **v)
                     try:
                         err = round(((fn(qs[0])().float() - ref).norm() / ref.norm()).item(), 6)
                         t = timed([fn(q) for q in qs], args.calls, args.replays, m)

@@ -101,6 +101,9 @@ class WeightSpec:
     global_scale: bool = False
     zero_point: bool = False  # asymmetric: W = (q - z) * s
     act_order: bool = False  # a g_idx maps each input column to its scale group
+    # The weight's words are in wo_mma's streaming order (kernels/wo_mma.py: tile_words): a
+    # permutation of the canonical [N, K/EPW] words, same shape and bytes, made once at load on GPUs.
+    tiled: bool = False
 
     def key(self) -> str:
         parts = [self.dtype.value, self.scale.key()]
@@ -112,6 +115,8 @@ class WeightSpec:
             parts.append("zp")
         if self.act_order:
             parts.append("actorder")
+        if self.tiled:
+            parts.append("tiled")
         return "/".join(parts)
 
 
@@ -265,7 +270,7 @@ def parse_scheme_key(key: str) -> QuantScheme:
     packing = next((Packing(f[5:]) for f in flags if f.startswith("pack=")), Packing.NONE)
     weight = WeightSpec(QDtype(wparts[0]), _parse_scale(wparts[1]), packing,
                         global_scale="global" in flags, zero_point="zp" in flags,
-                        act_order="actorder" in flags)
+                        act_order="actorder" in flags, tiled="tiled" in flags)
     act = None
     if a_text != "a=none":
         aparts = a_text[2:].split("/")

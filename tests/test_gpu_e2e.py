@@ -10,7 +10,7 @@ import torch
 
 import qcompile
 from qcompile.kernels.registry import cuda_capability
-from qcompile.linear import dequantize_model
+from qcompile.linear import QuantLinear, dequantize_model
 
 pytestmark = pytest.mark.gpu
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128, 5, 300, 11]])
@@ -71,6 +71,11 @@ def test_weight_only_checkpoint_on_gpu(source, synth_ckpt, testdata):
         ref = dequantize_model(copy.deepcopy(model))(ids).logits
     kernels = {r.kernel for r in be.rows}
     assert kernels & {"wo_mma", "wo_triton"} and kernels <= {"wo_mma", "wo_triton", "fp8_scaled_mm"}, be.explain()
+    # layers the registry gives wo_mma were tiled into its streaming order at load, the others not
+    mma_rows = {r.module for r in be.rows if r.kernel == "wo_mma"}
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear) and "/" in mod.scheme_key.split(";")[0]:
+            assert ("tiled" in mod.scheme_key) == (mod_name in mma_rows), (mod_name, mod.scheme_key)
     # compiled runs the 4-bit layers weight-only (W4A4 too: no FP4 GEMM on sm_90): vs the dequantized
     # bf16 model only rounding differs (and FP8 activations in modelopt-mixed's attention)
     assert rel(compiled, ref) < (0.15 if name == "modelopt-mixed" else 0.03)

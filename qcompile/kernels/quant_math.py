@@ -99,8 +99,29 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return lut[codes.long()]
 
 
+def untile_words(weight: torch.Tensor) -> torch.Tensor:
+    """The canonical words of a weight tiled for wo_mma (:func:`tile_words`), in its dtype."""
+    words = weight.contiguous().view(torch.int32)
+    n, w = words.shape
+    words = words.view(n // 16, w // 16, 2, 8, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(n, w)
+    return words.view(weight.dtype)
+
+
+def tile_words(weight: torch.Tensor) -> torch.Tensor:
+    """Canonical weight [N, K/EPW] words (any 4-byte-per-word view: int32, or uint8 / int8 / fp8 rows of
+    4-byte multiples) -> wo_mma's streaming order, same shape, dtype and bytes:
+    [N/16 tiles][W/16 chunks][2 row halves][8 rows][4 lanes][4 words], so each warp of the kernel reads
+    one contiguous run. N % 16 == 0 and W % 16 == 0."""
+    words = weight.contiguous().view(torch.int32)
+    n, w = words.shape
+    words = words.view(n // 16, 2, 8, w // 16, 4, 4).permute(0, 3, 1, 2, 4, 5).reshape(n, w)
+    return words.view(weight.dtype)
+
+
 def decode_weight_codes(weight: torch.Tensor, spec: WeightSpec, k: int) -> torch.Tensor:
     """Element values (before scales) of a stored weight, fp32 [N, K]."""
+    if spec.tiled:
+        weight = untile_words(weight)
     if spec.packing is Packing.INT32:
         return unpack_int32(weight, spec.dtype.bits, k).float()
     if spec.packing is Packing.UINT8 and spec.dtype is QDtype.FP4_E2M1:

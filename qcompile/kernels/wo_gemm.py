@@ -180,7 +180,10 @@ def auto_split(m: int, n: int, k: int, cfg: dict, sms: int, waves: float = 2.0) 
 
 
 def _args(weight, scale, zero_point, g_idx, global_scale, spec: WeightSpec, n: int):
-    """Tensors as the kernels read them: int32 words, uint8 fp8/e8m0 scales, row strides."""
+    """Tensors as the kernels read them: int32 words, uint8 fp8/e8m0 scales, row strides. A weight
+    tiled for wo_mma is untiled first (a copy per call: these kernels read the canonical order)."""
+    if spec.tiled:
+        weight = quant_math.untile_words(weight)
     words = weight.contiguous().view(torch.int32)
     s = scale.contiguous()
     if s.dtype == torch.float8_e4m3fn:

@@ -65,19 +65,6 @@ class MmaConfig:
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
-def pack_words(words: torch.Tensor) -> torch.Tensor:
-    """Canonical weight words [N, W] -> the kernel's streaming order (same shape and bytes):
-    [N/16 tiles][W/16 chunks][2 row halves][8 rows][4 lanes][4 words], so that each warp reads
-    one contiguous run. Exact permutation; :func:`unpack_words` inverts it."""
-    n, w = words.shape
-    return words.view(n // 16, 2, 8, w // 16, 4, 4).permute(0, 3, 1, 2, 4, 5).contiguous().view(n, w)
-
-
-def unpack_words(packed: torch.Tensor) -> torch.Tensor:
-    n, w = packed.shape
-    return packed.view(n // 16, w // 16, 2, 8, 4, 4).permute(0, 2, 3, 1, 4, 5).contiguous().view(n, w)
-
-
 def chunk_k(spec: WeightSpec) -> int:
     return 128 if spec.dtype.bits == 4 else 64
 
@@ -199,6 +186,11 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[idx]
 
 
+# (stages, warps per SM) by layout, 8 warps per CTA: the fastest on the H100 at N=K=8192 and
+# N=28672, K=8192 for M = 1..32 (benchmarks/bench_wo_linear.py --mma-sweep; docs/kernels-wo.md).
+LAUNCH = {True: (2, 32), False: (2, 16)}
+
+
 def x_row_stride(chunks: int, bits: int) -> int:
     """Bytes per x row in shared memory (wo_mma.cu: x_row_stride)."""
     u = chunks * (256 + 16 if bits == 4 else 128) // 16
@@ -221,10 +213,14 @@ def plan(m: int, n: int, k: int, kpc: int, warps: int, stages: int, sms: int, sp
 
 
 def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec: WeightSpec,
-           stages: int = 4, warps: int = 4, split: int | None = None, warps_per_sm: int = 16,
-           packed: bool = False) -> torch.Tensor:
+           stages: int | None = None, warps: int = 8, split: int | None = None,
+           warps_per_sm: int | None = None) -> torch.Tensor:
     """x2 [M, K] contiguous bf16 (M <= MAX_M) -> [M, N] bf16. Checks are the caller's
-    (:func:`mma_reason`); the tensors are the op's canonical ones."""
+    (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
+    ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH`."""
+    packed = spec.tiled
+    d_stages, d_wps = LAUNCH[packed]
+    stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
     m, k = x2.shape
     n = weight.shape[0]
     smode, group = scale_mode(spec)

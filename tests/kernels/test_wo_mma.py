@@ -9,6 +9,7 @@ splits, forced split counts, determinism and CUDA-graph capture.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,10 +64,12 @@ def test_plan_covers_k_and_fits_shared_memory(m, n, k, kpc):
 
 
 @pytest.mark.parametrize("n,w", [(16, 16), (48, 64), (4096, 512)])
-def test_pack_words_round_trip(n, w):
+def test_tile_words_round_trip(n, w):
     words = torch.randint(-2**31, 2**31 - 1, (n, w), dtype=torch.int32)
-    packed = wo_mma.pack_words(words)
-    assert packed.shape == words.shape and torch.equal(wo_mma.unpack_words(packed), words)
+    packed = quant_math.tile_words(words)
+    assert packed.shape == words.shape and torch.equal(quant_math.untile_words(packed), words)
+    as_bytes = words.view(torch.uint8)  # the e2m1 / int8 layouts tile as their 4-byte words
+    assert torch.equal(quant_math.tile_words(as_bytes).view(torch.int32), packed)
     # warp (tile t, chunk c), half h, lane l = 4r + q, word j <- row 16t + 8h + r, word 16c + 4q + j
     t, c, h, r, q, j = n // 16 - 1, w // 16 - 1, 1, 5, 3, 2
     assert packed.view(-1)[((t * (w // 16) + c) * 2 + h) * 128 + (4 * r + q) * 4 + j] == \
@@ -149,14 +152,13 @@ def test_gpu_mma_forced_splits_and_determinism(name):
         spec = wg.parse_scheme_key(case["scheme"]).weight
         args = (case["x"], case["weight"], case["weight_scale"], case["weight_global_scale"],
                 case["weight_zero_point"], case["bias"], spec)
-        w = case["weight"]
-        packed = wo_mma.pack_words(w.view(torch.int32)).view(w.dtype)
+        tiled = (args[0], quant_math.tile_words(case["weight"])) + args[2:6] + (replace(spec, tiled=True),)
         for split in (1, 3, 7, k // wo_mma.chunk_k(spec)):
-            for stages, warps, pk in ((2, 4, False), (4, 8, True), (8, 4, True), (4, 16, True)):
-                a = (args[0], packed if pk else w) + args[2:]
-                out = wo_mma.wo_mma(*a, stages=stages, warps=warps, split=split, packed=pk)
-                _check(out, case, k, f"{name} M={m} split={split} stages={stages} warps={warps} packed={pk}")
-                assert torch.equal(out, wo_mma.wo_mma(*a, stages=stages, warps=warps, split=split, packed=pk))
+            for stages, warps, a in ((2, 4, args), (4, 8, tiled), (8, 4, tiled), (4, 16, tiled)):
+                out = wo_mma.wo_mma(*a, stages=stages, warps=warps, split=split)
+                what = f"{name} M={m} split={split} stages={stages} warps={warps} tiled={a is tiled}"
+                _check(out, case, k, what)
+                assert torch.equal(out, wo_mma.wo_mma(*a, stages=stages, warps=warps, split=split)), what
 
 
 @pytest.mark.gpu
