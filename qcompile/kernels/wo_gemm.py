@@ -180,10 +180,8 @@ def auto_split(m: int, n: int, k: int, cfg: dict, sms: int, waves: float = 2.0) 
 
 
 def _args(weight, scale, zero_point, g_idx, global_scale, spec: WeightSpec, n: int):
-    """Tensors as the kernels read them: int32 words, uint8 fp8/e8m0 scales, row strides. A weight
-    tiled for wo_mma is untiled first (a copy per call: these kernels read the canonical order)."""
-    if spec.tiled:
-        weight = quant_math.untile_words(weight)
+    """Tensors as the kernels read them: int32 words (canonical or tiled: the kernels' TILED), uint8
+    fp8/e8m0 scales, row strides."""
     words = weight.contiguous().view(torch.int32)
     s = scale.contiguous()
     if s.dtype == torch.float8_e4m3fn:
@@ -223,7 +221,7 @@ def wo_gemm(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bi
         x2, words, s, z, g, gs, bias, dest, m, n, k, words.shape[1], stride_sn, k_split // lay.epw,
         FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
         HAS_ZP=z is not None, ACT_ORDER=g is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
-        EMULATE_DOT=not x2.is_cuda, PTX_DECODE=ptx, num_warps=warps, num_stages=stages, **cfg)
+        EMULATE_DOT=not x2.is_cuda, PTX_DECODE=ptx, TILED=spec.tiled, num_warps=warps, num_stages=stages, **cfg)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
@@ -247,7 +245,7 @@ def dequantize_triton(weight, scale, spec: WeightSpec, global_scale=None, zero_p
     _dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](
         words, s, z, g, gs, out, n, k, words.shape[1], stride_sn,
         FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
-        HAS_ZP=z is not None, ACT_ORDER=g is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_ZP=z is not None, ACT_ORDER=g is not None, BLOCK_N=block_n, BLOCK_K=block_k, TILED=spec.tiled,
         num_warps=cfg["num_warps"])
     return out
 

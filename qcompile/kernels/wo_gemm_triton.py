@@ -189,6 +189,18 @@ if HAS_TRITON:
         return tl.dot(a, b, acc)
 
     @triton.jit
+    def _word_offsets(rows, widx, stride_wn, TILED: tl.constexpr):
+        """[len(rows), len(widx)] offsets of weight words (row, word index): row-major, or in
+        wo_mma's tiled order (quant_math.tile_words) where a row's words i..i+15 of a 16-word
+        chunk stay contiguous (so loads stay 16 bytes wide)."""
+        if TILED:
+            row = (rows // 16) * (stride_wn * 16) + ((rows % 16) // 8) * 128 + (rows % 8) * 16
+            col = (widx // 16) * 256 + widx % 16
+            col = tl.max_contiguous(tl.multiple_of(col, 16), 16)
+            return row[:, None] + col[None, :]
+        return rows[:, None] * stride_wn + widx[None, :]
+
+    @triton.jit
     def _wo_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, gs_ptr, bias_ptr, out_ptr,
                         M, N, K, stride_wn, stride_sn, k_split_words,
                         FMT: tl.constexpr, EPW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
@@ -196,7 +208,8 @@ if HAS_TRITON:
                         HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EMULATE_DOT: tl.constexpr = False, PTX_DECODE: tl.constexpr = False,
-                        SCALE_PREFETCH: tl.constexpr = True, X_PERMUTED: tl.constexpr = False):
+                        SCALE_PREFETCH: tl.constexpr = True, X_PERMUTED: tl.constexpr = False,
+                        TILED: tl.constexpr = False):
         # grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K): the M tiles of one weight tile run
         # side by side (their second reads hit L2). x [M, K] contiguous; out [M, N], or fp32
         # partials [SPLIT_K, M, N] when PARTIAL.
@@ -230,7 +243,7 @@ if HAS_TRITON:
             if HAS_ZP:
                 z_next = tl.load(z_ptr + soff)
         for w0 in range(w_lo, w_hi, BKW):
-            words = tl.load(w_ptr + rows[:, None] * stride_wn + (w0 + offs_i)[None, :])  # [BN, BKW]
+            words = tl.load(w_ptr + _word_offsets(rows, w0 + offs_i, stride_wn, TILED))  # [BN, BKW]
             k0 = w0 * EPW
             kk = k0 + offs_i * EPW  # first k of each word
             if (not ACT_ORDER) and SCALE_PREFETCH:
@@ -307,7 +320,7 @@ if HAS_TRITON:
     def _dequant_kernel(w_ptr, s_ptr, z_ptr, g_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn,
                         FMT: tl.constexpr, EPW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
                         HAS_GS: tl.constexpr, HAS_ZP: tl.constexpr, ACT_ORDER: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr = False):
         # grid (cdiv(N, BLOCK_N), K / BLOCK_K): out[n, k] = ((q - z) * s) * g, the order of quant_math
         BKW: tl.constexpr = BLOCK_K // EPW
         BITS: tl.constexpr = 32 // EPW
@@ -315,7 +328,7 @@ if HAS_TRITON:
         rows = tl.where(offs_n < N, offs_n, 0)
         offs_i = tl.arange(0, BKW)
         j = tl.arange(0, EPW)
-        words = tl.load(w_ptr + rows[:, None] * stride_wn + (tl.program_id(1) * BKW + offs_i)[None, :])
+        words = tl.load(w_ptr + _word_offsets(rows, tl.program_id(1) * BKW + offs_i, stride_wn, TILED))
         v = _decode(words[:, :, None] >> (j * BITS)[None, None, :], FMT)  # [BN, BKW, EPW]
         k = tl.program_id(1) * BLOCK_K + (offs_i * EPW)[:, None] + j[None, :]  # [BKW, EPW]
         if ACT_ORDER:

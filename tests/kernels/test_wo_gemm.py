@@ -279,6 +279,7 @@ def test_empty_batch():
 
 INTERPRETER_SCRIPT = textwrap.dedent(r"""
     import json, os, torch
+    from dataclasses import replace
     assert os.environ["TRITON_INTERPRET"] == "1"
     from qcompile.kernels import wo_gemm as wg, quant_math as qm
     from tests.kernels.test_wo_gemm import SPECS, make_case, op_args, reference, dequantized
@@ -303,6 +304,10 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
         got = wg.dequantize_triton(w, s, spec_w, case["weight_global_scale"], case["weight_zero_point"],
                                    case["weight_g_idx"], k, torch.float32)
         res[f"dequant-exact-{name}"] = bool(torch.equal(got, dequantized(case)))
+        tiled = replace(spec_w, tiled=True)  # the same weight in wo_mma's order (quant_math.tile_words)
+        got = wg.dequantize_triton(qm.tile_words(w), s, tiled, case["weight_global_scale"],
+                                   case["weight_zero_point"], case["weight_g_idx"], k, torch.float32)
+        res[f"dequant-exact-tiled-{name}"] = bool(torch.equal(got, dequantized(case)))
     # the GEMM kernel, several configurations, vs the fp64 reference
     def cfgs(epw):
         bk = 16 * epw
@@ -323,6 +328,15 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
                 rms = ref.pow(2).mean().sqrt()
                 worst = ((out - ref).abs() / (2.0**-6 * ref.abs() + 2.0**-6 * rms)).max().item()
                 errs[f"{name}-m{m}-{cname}"] = [worst, ((out - ref).norm() / ref.norm()).item()]
+        case = make_case(name, 48, 512, (5,), torch.bfloat16, seed=3)  # tiled weights (N % 16 == 0)
+        ref = reference(case)
+        for cname in ("dot", "dot-bk2-split2"):
+            out = wg.wo_gemm(case["x"], qm.tile_words(case["weight"]), case["weight_scale"],
+                             case["weight_global_scale"], case["weight_zero_point"], case["weight_g_idx"],
+                             case["bias"], replace(spec, tiled=True), cfgs(lay.epw)[cname]).double()
+            rms = ref.pow(2).mean().sqrt()
+            worst = ((out - ref).abs() / (2.0**-6 * ref.abs() + 2.0**-6 * rms)).max().item()
+            errs[f"{name}-tiled-{cname}"] = [worst, ((out - ref).norm() / ref.norm()).item()]
     # the op's triton backend, including the switch to dequant + F.linear above WO_MAX_M
     for m in (3, wg.WO_MAX_M["int4"] + 1):
         case = make_case("int4_g128", 32, 256, (m,), torch.float16, bias=True, seed=9)
