@@ -318,7 +318,7 @@ def _mma(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
     """The CUDA C++ kernel (wo_mma.cu) for bf16 x with M <= wo_mma.MAX_M; everything else as
     ``triton`` (or ``dequant`` where Triton cannot run it)."""
     n, k = weight.shape[0], x2.shape[1]
-    if (x2.is_cuda and x2.shape[0] <= wo_mma.MAX_M and g_idx is None
+    if (x2.is_cuda and x2.shape[0] <= wo_mma.MAX_M
             and wo_mma.mma_reason(spec, n, k, x2.dtype, None if zp is None else zp.dtype) is None):
         return wo_mma.wo_mma(x2, weight, scale, gs, zp, bias, spec)
     if use_triton(x2) and triton_shape_reason(spec, n, k) is None:

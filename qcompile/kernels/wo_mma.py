@@ -27,6 +27,7 @@ FMT = {(QDtype.INT4, Packing.INT32): 0, (QDtype.FP4_E2M1, Packing.UINT8): 1, (QD
        (QDtype.INT8, Packing.NONE): 3, (QDtype.FP8_E4M3, Packing.NONE): 4}
 SK = {ScaleDtype.FP32: 0, ScaleDtype.FP8_E4M3: 1, ScaleDtype.E8M0: 2}
 SMODE_END, SMODE_CHUNK, SMODE_PRE = 0, 1, 2
+KPC = {4: 128, 8: 64}  # k per chunk (one 16-byte load per lane per row), by weight bits
 ZP_TYPES = {torch.int32: "int", torch.int8: "signed char", torch.uint8: "unsigned char"}
 MAX_M = 32  # 4 token tiles of 8; above, the Triton kernel / dequant + F.linear
 # Shared memory for x per CTA (M x K-range bf16); split-K grows until it fits.
@@ -54,9 +55,6 @@ class MmaConfig:
     def bits(self) -> int:
         return 4 if self.fmt in (0, 1) else 8
 
-    @property
-    def kpc(self) -> int:  # k per chunk (per row)
-        return 128 if self.bits == 4 else 64
 
     def defines(self) -> str:
         d = dict(FMT=self.fmt, SK=self.sk, SMODE=self.smode, GROUP=max(self.group, 1), HAS_ZP=int(self.has_zp),
@@ -66,7 +64,7 @@ class MmaConfig:
 
 
 def chunk_k(spec: WeightSpec) -> int:
-    return 128 if spec.dtype.bits == 4 else 64
+    return KPC[spec.dtype.bits]
 
 
 def scale_mode(spec: WeightSpec) -> tuple[int, int]:
@@ -120,7 +118,6 @@ def compile_cubin(src: str, arch: str, name: str = "wo_mma", extra: tuple[str, .
 
     def check(rc: int, what: str) -> None:
         if rc != 0:
-            msg = ctypes.c_char_p()
             lib.nvrtcGetErrorString.restype = ctypes.c_char_p
             raise RuntimeError(f"NVRTC {what} failed: {lib.nvrtcGetErrorString(rc).decode()}")
 
@@ -198,15 +195,15 @@ def x_row_stride(chunks: int, bits: int) -> int:
     return (u + (mod - u % 8 + 8) % 8) * 16
 
 
-def plan(m: int, n: int, k: int, kpc: int, warps: int, stages: int, sms: int, split: int | None = None,
+def plan(m: int, n: int, k: int, bits: int, warps: int, stages: int, sms: int, split: int | None = None,
          warps_per_sm: int = 16) -> tuple[int, int, int]:
     """(CTA columns, split, chunks per split): about ``warps_per_sm`` warps per SM, each streaming
     at least ``stages`` chunks, and the CTA's x slice within SMEM_BUDGET."""
     cols = -(-(n // 16) // warps)
-    nch = k // kpc
+    nch = k // KPC[bits]
     if split is None:
         split = max(1, min(round(warps_per_sm * sms / (cols * warps)), nch // stages))
-        while split < nch and m * x_row_stride(-(-nch // split), 4 if kpc == 128 else 8) > SMEM_BUDGET:
+        while split < nch and m * x_row_stride(-(-nch // split), bits) > SMEM_BUDGET:
             split += 1
     cps = -(-nch // split)
     return cols, -(-nch // cps), cps
@@ -234,7 +231,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     ss = 0 if gran is Granularity.TENSOR else (1 if gran is Granularity.CHANNEL else s.shape[-1])
     if x2.data_ptr() % 16:
         x2 = x2.clone()
-    cols, nsplit, cps = plan(m, n, k, cfg.kpc, warps, stages, _sm_count(x2.device), split, warps_per_sm)
+    cols, nsplit, cps = plan(m, n, k, cfg.bits, warps, stages, _sm_count(x2.device), split, warps_per_sm)
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     part = torch.empty((nsplit, m, n), dtype=torch.float32, device=x2.device) if nsplit > 1 else out
     counters = _counters(x2.device, cols)

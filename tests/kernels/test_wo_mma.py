@@ -53,14 +53,14 @@ def test_scale_modes():
     assert wo_mma.scale_mode(_spec("mxfp8")) == (wo_mma.SMODE_PRE, 32)
 
 
-@pytest.mark.parametrize("m,n,k,kpc", [(1, 8192, 8192, 128), (16, 8192, 8192, 128), (32, 28672, 8192, 128),
-                                        (1, 4112, 4224, 128), (8, 2048, 8192, 64)])
-def test_plan_covers_k_and_fits_shared_memory(m, n, k, kpc):
-    cols, split, cps = wo_mma.plan(m, n, k, kpc, warps=4, stages=4, sms=132)
-    nch = k // kpc
+@pytest.mark.parametrize("m,n,k,bits", [(1, 8192, 8192, 4), (16, 8192, 8192, 4), (32, 28672, 8192, 4),
+                                         (1, 4112, 4224, 4), (8, 2048, 8192, 8)])
+def test_plan_covers_k_and_fits_shared_memory(m, n, k, bits):
+    cols, split, cps = wo_mma.plan(m, n, k, bits, warps=4, stages=4, sms=132)
+    nch = k // wo_mma.KPC[bits]
     assert cols * 4 * 16 >= n > (cols - 1) * 4 * 16
     assert (split - 1) * cps < nch <= split * cps  # every chunk once, no empty split
-    assert m * wo_mma.x_row_stride(cps, 4 if kpc == 128 else 8) <= wo_mma.SMEM_BUDGET
+    assert m * wo_mma.x_row_stride(cps, bits) <= wo_mma.SMEM_BUDGET
 
 
 @pytest.mark.parametrize("n,w", [(16, 16), (48, 64), (4096, 512)])
