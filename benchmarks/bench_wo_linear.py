@@ -245,7 +245,9 @@ def mma_sweep(args, g):
                         v = dict(v)
                         w, sp = q["weight"], spec
                         if v.pop("packed"):
-                            w, sp = q.setdefault("tiled", quant_math.tile_words(w)), replace(spec, tiled=True)
+                            if "tiled" not in q:  # once per weight copy, not per variant
+                                q["tiled"] = quant_math.tile_words(w)
+                            w, sp = q["tiled"], replace(spec, tiled=True)
                         return lambda: wo_mma.wo_mma(x, w, q["weight_scale"], q["weight_global_scale"],
                                                      None, None, sp, **v)
                     try:
