@@ -223,9 +223,11 @@ def tune(args, g):
     return out
 
 
-MMA_VARIANTS = [dict(stages=s, warps=w, warps_per_sm=p, packed=k) for s, w, p, k in
-                [(4, 4, 16, False), (4, 8, 16, False), (2, 8, 16, False), (4, 4, 16, True), (4, 8, 16, True),
-                 (2, 8, 16, True), (8, 8, 16, True), (4, 8, 32, True), (2, 8, 32, True)]]
+# Launch variants of wo_mma (tiled weights, as a loaded model runs them); keyword arguments of
+# wo_mma.wo_mma. The first reduces split-K through global memory, the others in a cluster.
+MMA_VARIANTS = [dict(packed=True, stages=s, warps=w, warps_per_sm=p, **kw) for s, w, p, kw in [
+    (2, 8, 32, dict(max_cluster=1)), (2, 8, 32, {}), (2, 8, 32, dict(minb=1)), (2, 8, 32, dict(minb=4)),
+    (2, 16, 32, {}), (2, 8, 24, {})]]
 
 
 def mma_sweep(args, g):
@@ -233,14 +235,14 @@ def mma_sweep(args, g):
     out = {}
     for shape in args.shapes:
         n, k = map(int, shape.split("x"))
-        for name in ("int4 g128", "nvfp4"):
+        for name in args.sweep_formats:
             spec = FORMATS[name]
             one = random_weights(spec, n, k, g)
             qs = [one] + [random_weights(spec, n, k, g) for _ in range(copies_for(weight_bytes(one)) - 1)]
             for m in args.sweep_m:
                 x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
                 ref = op_fn(x, qs[0], spec, "dequant")().float()
-                for v in MMA_VARIANTS:
+                for v in json.loads(args.mma_variants) if args.mma_variants else MMA_VARIANTS:
                     def fn(q, v=v, x=x):
                         v = dict(v)
                         w, sp = q["weight"], spec
@@ -284,7 +286,11 @@ def main(argv=None):
     p.add_argument("--tbps", type=float, default=3.0)
     p.add_argument("--tune", action="store_true", help="time the launch candidates first and use the fastest")
     p.add_argument("--mma-sweep", action="store_true", help="time launch variants of the CUDA kernel first")
-    p.add_argument("--sweep-m", type=int, nargs="+", default=[1, 16, 32])
+    p.add_argument("--sweep-m", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--mma-variants", default=None,
+                   help="JSON list of wo_mma keyword dicts replacing MMA_VARIANTS, e.g. ablations: "
+                        "'[{\"packed\": true, \"skip\": 7}]'")
+    p.add_argument("--sweep-formats", nargs="+", default=["int4 g128", "nvfp4"])
     p.add_argument("--no-table", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

@@ -2,25 +2,30 @@
 //
 //   out[M, N] (bf16) = x[M, K] (bf16) @ dequant(W)[N, K]^T  (+ bias), fp32 accumulation.
 //
-// The weight is streamed in its canonical checkpoint layout (row-major words, element k of a row
-// at bits BITS*(k % EPW) of word k / EPW; e2m1 bytes read as the same words), never repacked:
+// The weight is streamed either in its canonical checkpoint layout (row-major words, element k of
+// a row at bits BITS*(k % EPW) of word k / EPW; e2m1 bytes read as the same words) or tiled
+// (PACKED: quant_math.tile_words permutes the same words so each warp streams one contiguous run):
 //
-//  * The weight is the MMA's A operand (m16n8k16, rows = output features), x is B (n = 8 tokens).
-//    One warp owns 16 rows. Lane (r = lane / 4, q = lane % 4) loads 16 bytes of row r and 16 of
-//    row r + 8 per chunk: 4 words, 32 (4-bit) or 16 (8-bit) consecutive k of each row. A warp's
-//    load is 8 rows x 64 contiguous bytes, twice.
+//  * The weight is the MMA's A operand (m16n8k16, rows = output features), x is B (n = 8 tokens,
+//    MT tiles). One warp owns 16 rows. Lane (r = lane / 4, q = lane % 4) loads 16 bytes of row r
+//    and 16 of row r + 8 per chunk: 4 words, 32 (4-bit) or 16 (8-bit) consecutive k of each row.
 //  * Inside one mma step the k order is free as long as A and B agree, so each lane uses the k of
-//    its own words: the A fragment is decoded in registers with no shuffles, and the B fragment
-//    (x) is gathered to match with byte permutes. x for the CTA's K range sits in shared memory,
-//    loaded once (swizzled: conflict-free 16-byte reads).
+//    its own words: the A fragment is decoded in registers with no shuffles, and x is stored in
+//    shared memory already in the matching order (4-bit: byte-permuted once per CTA), padded so
+//    the 16-byte reads are conflict-free. x for the CTA's K range is loaded once.
 //  * Scales: per row in the epilogue (tensor / channel), per chunk after the MMA in fp32 (groups
 //    that cover a whole chunk, e.g. int4 g128), or multiplied into the decoded values before it
-//    (smaller groups: NVFP4 16, MX 32; exact for e2m1/e4m3 x fp8/e8m0 scales in bf16).
-//  * Split-K over gridDim.y: fp32 partials, the last CTA of a column sums them in split order
-//    (deterministic) and writes bf16; its counter is reset for the next launch.
+//    (smaller groups: NVFP4 16, MX 32; exact for e2m1/e4m3 x fp8/e8m0 scales in bf16). Scales
+//    and zero points are loaded with the words, STAGES chunks ahead.
+//  * Split-K over gridDim.y. Up to 8 splits form one thread-block cluster (sm_90): each CTA leaves
+//    its fp32 partials in its shared memory and sums a slice of the column's outputs over the
+//    cluster (distributed shared memory, rank order: deterministic). More splits: fp32 partials in
+//    global memory, the last CTA of a column sums them in split order and resets its counter.
 //
 // Compile-time configuration (#defines prepended by wo_mma.py): FMT, SK, SMODE, GROUP, HAS_ZP,
-// ZP_T, HAS_GS, HAS_BIAS, MT (8-token tiles), STAGES (chunks in flight per warp), WARPS.
+// ZP_T, HAS_GS, HAS_BIAS, MT (8-token tiles), STAGES (chunks in flight per warp), WARPS, MINB
+// (CTAs per SM for the register budget), PACKED (tiled words), CLUSTER (splits in a cluster),
+// SKIP (benchmark ablations, bits: 1 x staging, 2 decode + MMA, 4 output and reduction; 0 in use).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -160,7 +165,33 @@ __device__ __forceinline__ u32 decode(u32 w, u32 zz, u32 sc, float zf, float sf)
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+// Thread-block cluster (sm_90): the split-K CTAs of one column, reduced through distributed shared
+// memory.
+#if CLUSTER > 1
+#define KATTR __cluster_dims__(1, CLUSTER, 1)
+#else
+#define KATTR
+#endif
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ int cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return (int)r;
+}
+__device__ __forceinline__ float ld_dsmem(u32 addr, int rank) {  // `addr` in CTA `rank` of the cluster
+  u32 a;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+  return v;
+}
+
+// scales per lane per chunk: two for 4-bit weights with groups of 16, else one
+#define NSC ((SMODE == SMODE_PRE && BITS == 4 && GROUP == 16) ? 2 : 1)
+
+extern "C" __global__ void KATTR __launch_bounds__(WARPS * 32, MINB)
 wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restrict__ s,
        const ZP_T* __restrict__ zp, const float* __restrict__ gs, const u16* __restrict__ bias,
        u16* __restrict__ out, float* __restrict__ part, int* __restrict__ counters,
@@ -189,30 +220,55 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
   // Per-lane scale / zero-point row bases.
   const int sra = rowa * ss, srb = (rowa + 8) * ss;
 
+  // Stages: the words of a chunk (rows r, r + 8) with the scales and zero points they need,
+  // loaded STAGES chunks ahead.
   U4 ra[STAGES], rb[STAGES];
+  float sa[STAGES][NSC], sb[STAGES][NSC], zpa[STAGES], zpb[STAGES];
+#define FETCH(st, ch)                                                                    \
+  {                                                                                      \
+    ra[st] = ld_stream(wa + (size_t)(ch) * CH_STRIDE);                                   \
+    rb[st] = ld_stream(wb + (size_t)(ch) * CH_STRIDE);                                   \
+    const int gi = SMODE == SMODE_END ? 0 : (int)((u32)((ch) * KPC + q * KPL) / GROUP);  \
+    _Pragma("unroll") for (int e_ = 0; e_ < NSC; e_++) {                                 \
+      sa[st][e_] = scale_f32(s, sra + gi + e_);                                          \
+      sb[st][e_] = scale_f32(s, srb + gi + e_);                                          \
+    }                                                                                    \
+    zpa[st] = HAS_ZP ? (float)zp[sra + gi] : 0.f;                                        \
+    zpb[st] = HAS_ZP ? (float)zp[srb + gi] : 0.f;                                        \
+  }
 #pragma unroll
   for (int i = 0; i < STAGES; i++)
-    if (active && c0 + i < c1) {
-      ra[i] = ld_stream(wa + (size_t)(c0 + i) * CH_STRIDE);
-      rb[i] = ld_stream(wb + (size_t)(c0 + i) * CH_STRIDE);
-    }
+    if (active && c0 + i < c1) FETCH(i, c0 + i);
 
   // x[:, c0*KPC : c1*KPC] -> shared memory, in the order the MMA reads it (see X_SEG / X_ROW_MOD):
   // lane q's 16-byte units of a chunk are contiguous, 4-bit units hold (x0,x4,x1,x5,x2,x6,x3,x7).
+  // XB loads per thread are issued before the first store (8: no faster, measured).
   {
-    const int upc = KPC / 8;
+    constexpr int XB = 4, NT = WARPS * 32;
+    const int upc = KPC / 8, upr = ks / 8, total = M * upr;
     const u32 base = smem_addr(xs);
-    for (int i = threadIdx.x; i < M * (ks / 8); i += WARPS * 32) {
-      const int m = i / (ks / 8), gu = i - m * (ks / 8);
-      U4 v = *(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8);
+    for (int i0 = threadIdx.x; i0 < ((SKIP & 1) ? 0 : total); i0 += XB * NT) {
+      U4 v[XB];
+#pragma unroll
+      for (int b = 0; b < XB; b++) {
+        const int i = i0 + b * NT, m = i / upr, gu = i - m * upr;
+        if (i < total) v[b] = *(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8);
+      }
+#pragma unroll
+      for (int b = 0; b < XB; b++) {
+        const int i = i0 + b * NT, m = i / upr, gu = i - m * upr;
+        if (i < total) {
+          U4 u = v[b];
 #if BITS == 4
-      v = U4{{prmt(v.v[0], v.v[2], 0x5410u), prmt(v.v[0], v.v[2], 0x7632u), prmt(v.v[1], v.v[3], 0x5410u),
-              prmt(v.v[1], v.v[3], 0x7632u)}};
+          u = U4{{prmt(u.v[0], u.v[2], 0x5410u), prmt(u.v[0], u.v[2], 0x7632u), prmt(u.v[1], u.v[3], 0x5410u),
+                  prmt(u.v[1], u.v[3], 0x7632u)}};
 #endif
-      const int wu = gu % upc, qq = wu / UNITS;
-      const u32 off = (gu / upc) * X_CS + X_SEG(qq) + (wu % UNITS) * 16;
-      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(base + m * rs + off),
-                   "r"(v.v[0]), "r"(v.v[1]), "r"(v.v[2]), "r"(v.v[3]));
+          const int wu = gu % upc, qq = wu / UNITS;
+          const u32 off = (gu / upc) * X_CS + X_SEG(qq) + (wu % UNITS) * 16;
+          asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(base + m * rs + off),
+                       "r"(u.v[0]), "r"(u.v[1]), "r"(u.v[2]), "r"(u.v[3]));
+        }
+      }
     }
   }
   __syncthreads();
@@ -224,7 +280,7 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
 #pragma unroll
     for (int i = 0; i < 4; i++) acc[t][i] = 0.f;
 
-  // Row constants for tensor / channel scales and zero points.
+  // Row constants for tensor / channel scales.
 #if SMODE == SMODE_END
   const float s_a = scale_f32(s, sra), s_b = scale_f32(s, srb);
 #endif
@@ -236,18 +292,8 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
         const int ch = c + st;
         if (ch < c1) {
           const U4 A = ra[st], B = rb[st];
-          // scales / zero points of this chunk (group index of the lane's first k)
-          const int kl = ch * KPC + q * KPL;
-#if SMODE == SMODE_END
-          const int gi = 0;
-#else
-          const int gi = kl / GROUP;
-#endif
-#if HAS_ZP
-          const float za = (float)zp[sra + gi], zb = (float)zp[srb + gi];
-#else
-          const float za = 0.f, zb = 0.f;
-#endif
+          const float za = zpa[st], zb = zpb[st];
+          const float s0a = sa[st][0], s0b = sb[st][0], s1a = sa[st][NSC - 1], s1b = sb[st][NSC - 1];
           // the constant added to the decoded codes, per row
 #if FMT == FMT_INT4
           const u32 zza = pack_bf16(-136.f - za, -136.f - za), zzb = pack_bf16(-136.f - zb, -136.f - zb);
@@ -257,9 +303,7 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
           const float zfa = 8388608.f + 128.f + za, zfb = 8388608.f + 128.f + zb;
 #if SMODE == SMODE_PRE
           // 4-bit with groups of 16: words 0-1 and 2-3 of the lane take two scales
-          const int g2 = (BITS == 4 && GROUP == 16) ? 1 : 0;
-          const float sa0 = scale_f32(s, sra + gi), sb0 = scale_f32(s, srb + gi);
-          const float sa1 = g2 ? scale_f32(s, sra + gi + 1) : sa0, sb1 = g2 ? scale_f32(s, srb + gi + 1) : sb0;
+          const float sa0 = s0a, sb0 = s0b, sa1 = s1a, sb1 = s1b;
           const u32 pa0 = pack_bf16(sa0, sa0), pb0 = pack_bf16(sb0, sb0);
           const u32 pa1 = pack_bf16(sa1, sa1), pb1 = pack_bf16(sb1, sb1);
 #else
@@ -276,20 +320,23 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
 #else
 #define DST acc
 #endif
-          // x units of this chunk, per token tile (zeros for rows >= M)
-          U4 X[MT][UNITS];
-#pragma unroll
-          for (int t = 0; t < MT; t++) {
-            const int tok = t * 8 + r;
-            const u32 a = xlane + tok * rs + (ch - c0) * X_CS;
-#pragma unroll
-            for (int u = 0; u < UNITS; u++) {
-              if (tok < M) X[t][u] = ld_shared(a + u * 16);
-              else X[t][u] = U4{{0u, 0u, 0u, 0u}};
-            }
-          }
+#if SKIP & 2  // ablation: no decode / MMA, the words only feed one add
+          acc[0][0] += __uint_as_float((A.v[0] ^ A.v[1] ^ A.v[2] ^ A.v[3] ^ B.v[0] ^ B.v[1] ^ B.v[2] ^ B.v[3]) & 0x3F000000u);
+          if (0) {
+#else
+          {
+#endif
+          const u32 xch = xlane + r * rs + (ch - c0) * X_CS;
+          U4 X[MT];  // x unit of the current word(s), per token tile (zeros for rows >= M)
 #pragma unroll
           for (int j = 0; j < 4; j++) {
+            if (BITS == 4 || (j & 1) == 0) {
+#pragma unroll
+              for (int t = 0; t < MT; t++) {
+                if (t * 8 + r < M) X[t] = ld_shared(xch + t * 8 * rs + (BITS == 4 ? j : j >> 1) * 16);
+                else X[t] = U4{{0u, 0u, 0u, 0u}};
+              }
+            }
 #if FMT == FMT_INT8S
             const u32 wa_ = A.v[j] ^ 0x80808080u, wb_ = B.v[j] ^ 0x80808080u;  // two's complement -> code + 128
 #else
@@ -306,24 +353,20 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
               const u32 a2 = h ? decode<3>(wa_, zza, sca, zfa, sfa) : decode<1>(wa_, zza, sca, zfa, sfa);
               const u32 a3 = h ? decode<3>(wb_, zzb, scb, zfb, sfb) : decode<1>(wb_, zzb, scb, zfb, sfb);
 #pragma unroll
-              for (int t = 0; t < MT; t++) {
-                const U4 xv = X[t][j];  // x[k .. k+7] of this word, as (0,4) (1,5) (2,6) (3,7)
-                mma(DST[t], a0, a1, a2, a3, xv.v[2 * h], xv.v[2 * h + 1]);
-              }
+              for (int t = 0; t < MT; t++)  // X: x[k .. k+7] of this word, as (0,4) (1,5) (2,6) (3,7)
+                mma(DST[t], a0, a1, a2, a3, X[t].v[2 * h], X[t].v[2 * h + 1]);
             }
 #else
             // word j: 4 k, one step; pairs (0, 1) and (2, 3)
             const u32 a0 = decode<0>(wa_, zza, sca, zfa, sfa), a1 = decode<0>(wb_, zzb, scb, zfb, sfb);
             const u32 a2 = decode<1>(wa_, zza, sca, zfa, sfa), a3 = decode<1>(wb_, zzb, scb, zfb, sfb);
 #pragma unroll
-            for (int t = 0; t < MT; t++) {
-              const U4 xv = X[t][j >> 1];
-              mma(DST[t], a0, a1, a2, a3, xv.v[(j & 1) * 2], xv.v[(j & 1) * 2 + 1]);
-            }
+            for (int t = 0; t < MT; t++)
+              mma(DST[t], a0, a1, a2, a3, X[t].v[(j & 1) * 2], X[t].v[(j & 1) * 2 + 1]);
 #endif
           }
 #if SMODE == SMODE_CHUNK
-          const float cs_a = scale_f32(s, sra + gi), cs_b = scale_f32(s, srb + gi);
+          const float cs_a = s0a, cs_b = s0b;
 #pragma unroll
           for (int t = 0; t < MT; t++) {
             acc[t][0] += tmp[t][0] * cs_a;
@@ -333,10 +376,8 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
           }
 #endif
 #undef DST
-          if (ch + STAGES < c1) {  // refill this stage once its words are decoded
-            ra[st] = ld_stream(wa + (size_t)(ch + STAGES) * CH_STRIDE);
-            rb[st] = ld_stream(wb + (size_t)(ch + STAGES) * CH_STRIDE);
           }
+          if (ch + STAGES < c1) FETCH(st, ch + STAGES);  // refill this stage once its words are decoded
         }
       }
     }
@@ -348,6 +389,10 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
   }
 #endif
   const float g = HAS_GS ? gs[0] : 1.f;
+#if SKIP & 4  // ablation: no output, no split-K reduction
+  if (acc[0][0] == 1234.5f && acc[MT - 1][3] == 1234.5f) out[0] = 0;
+  return;
+#endif
 
   if (gridDim.y == 1) {
     if (active) {
@@ -367,6 +412,46 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
     }
     return;
   }
+#if CLUSTER > 1
+  // split-K inside one thread-block cluster (the CTAs of this column): partials to shared memory,
+  // then CTA `rank` sums its slice of the outputs over the cluster's shared memories in rank order
+  // (deterministic), no global memory, no counters.
+  constexpr int NR = WARPS * 16;  // output rows of a CTA
+  float* red = (float*)xs;        // [M][NR] fp32, over x once every warp is past it
+  __syncthreads();
+  if (active) {
+#pragma unroll
+    for (int t = 0; t < MT; t++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const int tok = t * 8 + 2 * q + (i & 1);
+        if (tok < M) red[tok * NR + warp * 16 + r + (i >> 1) * 8] = acc[t][i];
+      }
+  }
+  cluster_sync();
+  {
+    const u32 rbase = smem_addr(xs);
+    const int total = M * NR, per = (total + CLUSTER - 1) / CLUSTER, j0 = cluster_rank() * per;
+    const int j1 = min(j0 + per, total);
+    for (int j = j0 + threadIdx.x; j < j1; j += WARPS * 32) {
+      const int tok = j / NR, n = blockIdx.x * NR + j % NR;
+      if (n < N) {
+        float p[CLUSTER];
+#pragma unroll
+        for (int c = 0; c < CLUSTER; c++) p[c] = ld_dsmem(rbase + 4 * j, c);
+        float v = 0.f;
+#pragma unroll
+        for (int c = 0; c < CLUSTER; c++) v += p[c];
+        v *= g;
+#if HAS_BIAS
+        v += bf16_to_f32(bias[n]);
+#endif
+        out[(size_t)tok * N + n] = f32_to_bf16(v);
+      }
+    }
+  }
+  cluster_sync();  // keep this CTA's shared memory until the cluster has read it
+#else
   // split-K: partials, then the last CTA of this column reduces in split order
   if (active) {
     float* p = part + (size_t)blockIdx.y * M * N;
@@ -389,14 +474,34 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
   __syncthreads();
   if (!is_last || !active) return;
   __threadfence();
-  for (int i = lane; i < 16 * M; i += 32) {
-    const int tok = i >> 4, n = n0 + (i & 15);
-    float v = 0.f;
-    for (int sp = 0; sp < (int)gridDim.y; sp++) v += ld_cg(part + ((size_t)sp * M + tok) * N + n);
-    v *= g;
+  for (int i0 = lane; i0 < 16 * M; i0 += 4 * 32) {  // 4 outputs per lane per round, loads in flight
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int sp0 = 0; sp0 < (int)gridDim.y; sp0 += 4) {  // 16 loads, then the sums in split order
+      float t[4][4];
+#pragma unroll
+      for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+          const int i = i0 + b * 32;
+          t[a][b] = (sp0 + a < (int)gridDim.y && i < 16 * M)
+                        ? ld_cg(part + ((size_t)(sp0 + a) * M + (i >> 4)) * N + n0 + (i & 15)) : 0.f;
+        }
+#pragma unroll
+      for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) v[b] += t[a][b];
+    }
+#pragma unroll
+    for (int b = 0; b < 4; b++) {
+      const int i = i0 + b * 32, tok = i >> 4, n = n0 + (i & 15);
+      if (i < 16 * M) {
+        float o = v[b] * g;
 #if HAS_BIAS
-    v += bf16_to_f32(bias[n]);
+        o += bf16_to_f32(bias[n]);
 #endif
-    out[(size_t)tok * N + n] = f32_to_bf16(v);
+        out[(size_t)tok * N + n] = f32_to_bf16(o);
+      }
+    }
   }
+#endif
 }

@@ -1,8 +1,9 @@
 """The ``mma`` backend of ``qcompile::wo_linear``: a CUDA C++ weight-only GEMM for decode-size M.
 
 ``wo_mma.cu`` holds the kernel (its header comment explains the design): tensor cores (mma.sync
-m16n8k16, bf16) fed with weights decoded in registers, straight from the canonical checkpoint
-layout (no repacking), x in shared memory, split-K reduced by the last CTA of each column.
+m16n8k16, bf16) fed with weights decoded in registers, from the canonical checkpoint layout or the
+tiled one (quant_math.tile_words), x in shared memory, split-K reduced inside a thread-block cluster
+(sm_90, up to 8 splits whose clusters all fit on the GPU at once) or by the last CTA of each column.
 
 It is compiled at first use for the running GPU with NVRTC, the runtime compiler that ships with
 PyTorch's CUDA build (no CUDA toolkit, no C++ compiler, no ninja needed), one specialization per
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ ZP_TYPES = {torch.int32: "int", torch.int8: "signed char", torch.uint8: "unsigne
 MAX_M = 32  # 4 token tiles of 8; above, the Triton kernel / dequant + F.linear
 # Shared memory for x per CTA (M x K-range bf16); split-K grows until it fits.
 SMEM_BUDGET = 96 * 1024
+MAX_CLUSTER = 8  # splits reduced inside one thread-block cluster (the portable maximum), sm_90+
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ class MmaConfig:
     stages: int = 4
     warps: int = 4
     packed: bool = False
+    minb: int = 1
+    cluster: int = 1
+    skip: int = 0  # ablations for benchmarks only (wo_mma.cu: SKIP); the output is then garbage
 
     @property
     def bits(self) -> int:
@@ -59,7 +64,8 @@ class MmaConfig:
     def defines(self) -> str:
         d = dict(FMT=self.fmt, SK=self.sk, SMODE=self.smode, GROUP=max(self.group, 1), HAS_ZP=int(self.has_zp),
                  ZP_T=self.zp_t, HAS_GS=int(self.has_gs), HAS_BIAS=int(self.has_bias), MT=self.mt,
-                 STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed))
+                 STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), MINB=self.minb,
+                 CLUSTER=self.cluster, SKIP=self.skip)
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -68,6 +74,8 @@ def chunk_k(spec: WeightSpec) -> int:
 
 
 def scale_mode(spec: WeightSpec) -> tuple[int, int]:
+    """(scale mode, group): row scales in the epilogue; groups that cover a chunk after each
+    chunk's MMA; smaller groups multiplied into the decoded weights."""
     gran = spec.scale.granularity
     if gran in (Granularity.TENSOR, Granularity.CHANNEL):
         return SMODE_END, 0
@@ -188,6 +196,12 @@ def _sm_count(device: torch.device) -> int:
 LAUNCH = {True: (2, 32), False: (2, 16)}
 
 
+def default_minb(mt: int, warps: int, warps_per_sm: int) -> int:
+    """CTAs per SM the compiler must fit (register bound): all ``warps_per_sm`` for one token tile,
+    else 1 (more registers; measured faster from 2 tiles on)."""
+    return max(1, warps_per_sm // warps) if mt == 1 else 1
+
+
 def x_row_stride(chunks: int, bits: int) -> int:
     """Bytes per x row in shared memory (wo_mma.cu: x_row_stride)."""
     u = chunks * (256 + 16 if bits == 4 else 128) // 16
@@ -195,35 +209,123 @@ def x_row_stride(chunks: int, bits: int) -> int:
     return (u + (mod - u % 8 + 8) % 8) * 16
 
 
+def x_bytes(m: int, chunks: int, bits: int) -> int:
+    """Shared memory for the x rows of ``chunks`` chunks."""
+    return m * x_row_stride(chunks, bits)
+
+
 def plan(m: int, n: int, k: int, bits: int, warps: int, stages: int, sms: int, split: int | None = None,
-         warps_per_sm: int = 16) -> tuple[int, int, int]:
+         warps_per_sm: int = 16, smem_budget: int = SMEM_BUDGET) -> tuple[int, int, int]:
     """(CTA columns, split, chunks per split): about ``warps_per_sm`` warps per SM, each streaming
-    at least ``stages`` chunks, and the CTA's x slice within SMEM_BUDGET."""
+    at least ``stages`` chunks, and the CTA's x slice within ``smem_budget`` bytes."""
     cols = -(-(n // 16) // warps)
     nch = k // KPC[bits]
     if split is None:
         split = max(1, min(round(warps_per_sm * sms / (cols * warps)), nch // stages))
-        while split < nch and m * x_row_stride(-(-nch // split), bits) > SMEM_BUDGET:
+        while split < nch and x_bytes(m, -(-nch // split), bits) > smem_budget:
             split += 1
     cps = -(-nch // split)
     return cols, -(-nch // cps), cps
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(idx)
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+def _max_active_clusters(kern, cfg: MmaConfig, smem: int) -> int:
+    """How many clusters of ``cfg.cluster`` CTAs the GPU holds at once (cuOccupancyMaxActiveClusters;
+    the kernel's cluster shape is compiled in); 0 if the driver cannot say."""
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    conf = _LaunchConfig((1, cfg.cluster, 1), (32 * cfg.warps, 1, 1), smem, None, None, 0)
+    n = ctypes.c_int(0)
+    rc = _get_gpu_runtime_library().cuOccupancyMaxActiveClusters(ctypes.byref(n), kern.func, ctypes.byref(conf))
+    return n.value if rc == 0 else 0
+
+
+def _smem(m: int, cps: int, cfg: MmaConfig) -> int:
+    smem = x_bytes(m, cps, cfg.bits)
+    if cfg.cluster > 1:  # the partials reuse x's shared memory: [M][warps * 16] fp32
+        smem = max(smem, m * cfg.warps * 16 * 4)
+    return smem
+
+
+def _prepare(kern, smem: int):
+    if smem > kern._max_shared_mem_bytes:
+        kern.set_shared_memory_config(max(smem, 48 * 1024))
+    return kern
+
+
+_PLANS: dict[tuple, tuple] = {}
+
+
+def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, split: int | None,
+                warps_per_sm: int, smem_budget: int, max_cluster: int) -> tuple:
+    """(config, kernel, CTA columns, split, chunks per split, shared memory) for one call shape.
+    A split of 2..``max_cluster`` runs as thread-block clusters (sm_90+) when all of its clusters
+    fit on the GPU at once; otherwise the split shrinks (x still within ``smem_budget``), and
+    failing that it is reduced through global memory."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (base, m, n, k, idx, split, warps_per_sm, smem_budget, max_cluster)
+    if key in _PLANS:
+        return _PLANS[key]
+    bits, nch = base.bits, k // KPC[base.bits]
+    cols, nsplit, cps = plan(m, n, k, bits, base.warps, base.stages, _sm_count(device), split, warps_per_sm,
+                             smem_budget)
+    chosen = None
+    if _capability(device)[0] >= 9:
+        limit, s = max(smem_budget, x_bytes(m, cps, bits)), nsplit
+        while 1 < s <= max_cluster:
+            c = -(-nch // s)
+            s = -(-nch // c)
+            if x_bytes(m, c, bits) > limit:
+                break
+            cfg = replace(base, cluster=s)
+            smem = _smem(m, c, cfg)
+            kern = _prepare(_kernel(cfg, device), smem)
+            if _max_active_clusters(kern, cfg, smem) >= cols:
+                chosen = (cfg, kern, cols, s, c, smem)
+                break
+            if split is not None:  # a forced split is kept (reduced through global memory)
+                break
+            s -= 1
+    if chosen is None:
+        cfg = replace(base, cluster=1)
+        smem = _smem(m, cps, cfg)
+        chosen = (cfg, _prepare(_kernel(cfg, device), smem), cols, nsplit, cps, smem)
+    _PLANS[key] = chosen
+    return chosen
+
+
 def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec: WeightSpec,
            stages: int | None = None, warps: int = 8, split: int | None = None,
-           warps_per_sm: int | None = None) -> torch.Tensor:
+           warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET, max_cluster: int = MAX_CLUSTER,
+           minb: int | None = None, skip: int = 0) -> torch.Tensor:
     """x2 [M, K] contiguous bf16 (M <= MAX_M) -> [M, N] bf16. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
-    ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH`."""
+    ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH`; splits up to
+    ``max_cluster`` are reduced in a thread-block cluster (sm_90+), more through global memory
+    (:func:`launch_plan`); ``minb`` CTAs per SM bound the registers (default: :func:`default_minb`)."""
     packed = spec.tiled
     d_stages, d_wps = LAUNCH[packed]
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
     m, k = x2.shape
     n = weight.shape[0]
+    mt = -(-m // 8)
+    minb = minb or default_minb(mt, warps, warps_per_sm)
     smode, group = scale_mode(spec)
     zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
-    cfg = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
-                    zp_t, global_scale is not None, bias is not None, -(-m // 8), stages, warps, packed)
+    base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
+                     zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, minb,
+                     skip=skip)
+    cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm, smem_budget,
+                                                     max_cluster)
     gran = spec.scale.granularity
     s = scale.contiguous()
     if s.dtype != torch.float32:
@@ -231,14 +333,10 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     ss = 0 if gran is Granularity.TENSOR else (1 if gran is Granularity.CHANNEL else s.shape[-1])
     if x2.data_ptr() % 16:
         x2 = x2.clone()
-    cols, nsplit, cps = plan(m, n, k, cfg.bits, warps, stages, _sm_count(x2.device), split, warps_per_sm)
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
-    part = torch.empty((nsplit, m, n), dtype=torch.float32, device=x2.device) if nsplit > 1 else out
-    counters = _counters(x2.device, cols)
-    smem = m * x_row_stride(cps, cfg.bits)
-    kern = _kernel(cfg, x2.device)
-    if smem > kern._max_shared_mem_bytes:
-        kern.set_shared_memory_config(max(smem, 48 * 1024))
+    global_split = nsplit > 1 and cfg.cluster == 1
+    part = torch.empty((nsplit, m, n), dtype=torch.float32, device=x2.device) if global_split else out
+    counters = _counters(x2.device, cols) if global_split else out
     w = weight.contiguous().view(torch.int32)
     dummy = out
     kern(grid=(cols, nsplit, 1), block=(32 * warps, 1, 1),

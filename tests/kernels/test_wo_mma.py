@@ -3,7 +3,8 @@
 CPU: what it accepts, how it splits the work, that the source compiles for sm_90 when an NVRTC
 library is at hand (QCOMPILE_NVRTC), and selection with the capability mocked. GPU (-m gpu): every
 format against the fp32 reference on fresh data, M = 1..32, shapes with idle warps and uneven
-splits, forced split counts, determinism and CUDA-graph capture.
+splits, forced split counts (cluster and global-memory reductions), determinism and CUDA-graph
+capture.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_plan_covers_k_and_fits_shared_memory(m, n, k, bits):
     nch = k // wo_mma.KPC[bits]
     assert cols * 4 * 16 >= n > (cols - 1) * 4 * 16
     assert (split - 1) * cps < nch <= split * cps  # every chunk once, no empty split
-    assert m * wo_mma.x_row_stride(cps, bits) <= wo_mma.SMEM_BUDGET
+    assert wo_mma.x_bytes(m, cps, bits) <= wo_mma.SMEM_BUDGET
 
 
 @pytest.mark.parametrize("n,w", [(16, 16), (48, 64), (4096, 512)])
@@ -98,12 +99,12 @@ NVRTC = os.environ.get("QCOMPILE_NVRTC")
 
 @pytest.mark.skipif(not NVRTC and not HAS_CUDA, reason="needs an NVRTC library (QCOMPILE_NVRTC) or a GPU")
 @pytest.mark.parametrize("name", MMA_NAMES)
-@pytest.mark.parametrize("mt", [1, 4])
-def test_source_compiles_for_sm90(name, mt):
+@pytest.mark.parametrize("mt,cluster", [(1, 1), (2, 8), (4, 4)])
+def test_source_compiles_for_sm90(name, mt, cluster):
     spec = SPECS[name]
     smode, group = wo_mma.scale_mode(spec)
     cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
-                           spec.zero_point, "int", spec.global_scale, True, mt)
+                           spec.zero_point, "int", spec.global_scale, True, mt, cluster=cluster)
     cubin = wo_mma.compile_cubin(wo_mma.source(cfg), "90")
     assert cubin[:4] == b"\x7fELF"
 
@@ -153,12 +154,17 @@ def test_gpu_mma_forced_splits_and_determinism(name):
         args = (case["x"], case["weight"], case["weight_scale"], case["weight_global_scale"],
                 case["weight_zero_point"], case["bias"], spec)
         tiled = (args[0], quant_math.tile_words(case["weight"])) + args[2:6] + (replace(spec, tiled=True),)
-        for split in (1, 3, 7, k // wo_mma.chunk_k(spec)):
-            for stages, warps, a in ((2, 4, args), (4, 8, tiled), (8, 4, tiled), (4, 16, tiled)):
-                out = wo_mma.wo_mma(*a, stages=stages, warps=warps, split=split)
-                what = f"{name} M={m} split={split} stages={stages} warps={warps} tiled={a is tiled}"
+        # splits up to 8 reduce in a cluster, more (or max_cluster=1) through global memory
+        for split in (1, 3, 7, 8, k // wo_mma.chunk_k(spec)):
+            for stages, warps, a, cl in ((2, 4, args, 8), (4, 8, tiled, 8), (8, 4, tiled, 8), (4, 16, tiled, 8),
+                                         (2, 8, tiled, 1)):
+                kw = dict(stages=stages, warps=warps, split=split, max_cluster=cl)
+                out = wo_mma.wo_mma(*a, **kw)
+                what = f"{name} M={m} {kw} tiled={a is tiled}"
                 _check(out, case, k, what)
-                assert torch.equal(out, wo_mma.wo_mma(*a, stages=stages, warps=warps, split=split)), what
+                assert torch.equal(out, wo_mma.wo_mma(*a, **kw)), what
+        # the cluster reduction did run: 4096 / 128 CTA columns of clusters fit on any sm_90
+        assert {v[0].cluster for v in wo_mma._PLANS.values()} >= {3, 7, 8}
 
 
 @pytest.mark.gpu
