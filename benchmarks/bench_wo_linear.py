@@ -226,8 +226,7 @@ def tune(args, g):
 # Launch variants of wo_mma (tiled weights, as a loaded model runs them); keyword arguments of
 # wo_mma.wo_mma. The first reduces split-K through global memory, the others in a cluster.
 MMA_VARIANTS = [dict(packed=True, stages=s, warps=w, warps_per_sm=p, **kw) for s, w, p, kw in [
-    (2, 8, 32, dict(max_cluster=1)), (2, 8, 32, {}), (2, 8, 32, dict(minb=1)), (2, 8, 32, dict(minb=4)),
-    (2, 16, 32, {}), (2, 8, 24, {})]]
+    (2, 8, 32, dict(max_cluster=1)), (2, 8, 32, {}), (2, 16, 32, {}), (2, 8, 24, {}), (4, 8, 16, {})]]
 
 
 def mma_sweep(args, g):
@@ -289,7 +288,7 @@ def main(argv=None):
     p.add_argument("--sweep-m", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--mma-variants", default=None,
                    help="JSON list of wo_mma keyword dicts replacing MMA_VARIANTS, e.g. ablations: "
-                        "'[{\"packed\": true, \"skip\": 7}]'")
+                        "'[{\"packed\": true, \"max_cluster\": 1}]'")
     p.add_argument("--sweep-formats", nargs="+", default=["int4 g128", "nvfp4"])
     p.add_argument("--no-table", action="store_true")
     p.add_argument("--out", default=None)

@@ -15,17 +15,15 @@
 //    the 16-byte reads are conflict-free. x for the CTA's K range is loaded once.
 //  * Scales: per row in the epilogue (tensor / channel), per chunk after the MMA in fp32 (groups
 //    that cover a whole chunk, e.g. int4 g128), or multiplied into the decoded values before it
-//    (smaller groups: NVFP4 16, MX 32; exact for e2m1/e4m3 x fp8/e8m0 scales in bf16). Scales
-//    and zero points are loaded with the words, STAGES chunks ahead.
+//    (smaller groups: NVFP4 16, MX 32; exact for e2m1/e4m3 x fp8/e8m0 scales in bf16).
 //  * Split-K over gridDim.y. Up to 8 splits form one thread-block cluster (sm_90): each CTA leaves
 //    its fp32 partials in its shared memory and sums a slice of the column's outputs over the
 //    cluster (distributed shared memory, rank order: deterministic). More splits: fp32 partials in
 //    global memory, the last CTA of a column sums them in split order and resets its counter.
 //
 // Compile-time configuration (#defines prepended by wo_mma.py): FMT, SK, SMODE, GROUP, HAS_ZP,
-// ZP_T, HAS_GS, HAS_BIAS, MT (8-token tiles), STAGES (chunks in flight per warp), WARPS, MINB
-// (CTAs per SM for the register budget), PACKED (tiled words), CLUSTER (splits in a cluster),
-// SKIP (benchmark ablations, bits: 1 x staging, 2 decode + MMA, 4 output and reduction; 0 in use).
+// ZP_T, HAS_GS, HAS_BIAS, MT (8-token tiles), STAGES (chunks in flight per warp), WARPS, PACKED
+// (tiled words), CLUSTER (splits in one cluster).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -188,10 +186,7 @@ __device__ __forceinline__ float ld_dsmem(u32 addr, int rank) {  // `addr` in CT
   return v;
 }
 
-// scales per lane per chunk: two for 4-bit weights with groups of 16, else one
-#define NSC ((SMODE == SMODE_PRE && BITS == 4 && GROUP == 16) ? 2 : 1)
-
-extern "C" __global__ void KATTR __launch_bounds__(WARPS * 32, MINB)
+extern "C" __global__ void KATTR __launch_bounds__(WARPS * 32)
 wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restrict__ s,
        const ZP_T* __restrict__ zp, const float* __restrict__ gs, const u16* __restrict__ bias,
        u16* __restrict__ out, float* __restrict__ part, int* __restrict__ counters,
@@ -220,55 +215,30 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
   // Per-lane scale / zero-point row bases.
   const int sra = rowa * ss, srb = (rowa + 8) * ss;
 
-  // Stages: the words of a chunk (rows r, r + 8) with the scales and zero points they need,
-  // loaded STAGES chunks ahead.
   U4 ra[STAGES], rb[STAGES];
-  float sa[STAGES][NSC], sb[STAGES][NSC], zpa[STAGES], zpb[STAGES];
-#define FETCH(st, ch)                                                                    \
-  {                                                                                      \
-    ra[st] = ld_stream(wa + (size_t)(ch) * CH_STRIDE);                                   \
-    rb[st] = ld_stream(wb + (size_t)(ch) * CH_STRIDE);                                   \
-    const int gi = SMODE == SMODE_END ? 0 : (int)((u32)((ch) * KPC + q * KPL) / GROUP);  \
-    _Pragma("unroll") for (int e_ = 0; e_ < NSC; e_++) {                                 \
-      sa[st][e_] = scale_f32(s, sra + gi + e_);                                          \
-      sb[st][e_] = scale_f32(s, srb + gi + e_);                                          \
-    }                                                                                    \
-    zpa[st] = HAS_ZP ? (float)zp[sra + gi] : 0.f;                                        \
-    zpb[st] = HAS_ZP ? (float)zp[srb + gi] : 0.f;                                        \
-  }
 #pragma unroll
   for (int i = 0; i < STAGES; i++)
-    if (active && c0 + i < c1) FETCH(i, c0 + i);
+    if (active && c0 + i < c1) {
+      ra[i] = ld_stream(wa + (size_t)(c0 + i) * CH_STRIDE);
+      rb[i] = ld_stream(wb + (size_t)(c0 + i) * CH_STRIDE);
+    }
 
   // x[:, c0*KPC : c1*KPC] -> shared memory, in the order the MMA reads it (see X_SEG / X_ROW_MOD):
   // lane q's 16-byte units of a chunk are contiguous, 4-bit units hold (x0,x4,x1,x5,x2,x6,x3,x7).
-  // XB loads per thread are issued before the first store (8: no faster, measured).
   {
-    constexpr int XB = 4, NT = WARPS * 32;
-    const int upc = KPC / 8, upr = ks / 8, total = M * upr;
+    const int upc = KPC / 8;
     const u32 base = smem_addr(xs);
-    for (int i0 = threadIdx.x; i0 < ((SKIP & 1) ? 0 : total); i0 += XB * NT) {
-      U4 v[XB];
-#pragma unroll
-      for (int b = 0; b < XB; b++) {
-        const int i = i0 + b * NT, m = i / upr, gu = i - m * upr;
-        if (i < total) v[b] = *(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8);
-      }
-#pragma unroll
-      for (int b = 0; b < XB; b++) {
-        const int i = i0 + b * NT, m = i / upr, gu = i - m * upr;
-        if (i < total) {
-          U4 u = v[b];
+    for (int i = threadIdx.x; i < M * (ks / 8); i += WARPS * 32) {
+      const int m = i / (ks / 8), gu = i - m * (ks / 8);
+      U4 v = *(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8);
 #if BITS == 4
-          u = U4{{prmt(u.v[0], u.v[2], 0x5410u), prmt(u.v[0], u.v[2], 0x7632u), prmt(u.v[1], u.v[3], 0x5410u),
-                  prmt(u.v[1], u.v[3], 0x7632u)}};
+      v = U4{{prmt(v.v[0], v.v[2], 0x5410u), prmt(v.v[0], v.v[2], 0x7632u), prmt(v.v[1], v.v[3], 0x5410u),
+              prmt(v.v[1], v.v[3], 0x7632u)}};
 #endif
-          const int wu = gu % upc, qq = wu / UNITS;
-          const u32 off = (gu / upc) * X_CS + X_SEG(qq) + (wu % UNITS) * 16;
-          asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(base + m * rs + off),
-                       "r"(u.v[0]), "r"(u.v[1]), "r"(u.v[2]), "r"(u.v[3]));
-        }
-      }
+      const int wu = gu % upc, qq = wu / UNITS;
+      const u32 off = (gu / upc) * X_CS + X_SEG(qq) + (wu % UNITS) * 16;
+      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(base + m * rs + off),
+                   "r"(v.v[0]), "r"(v.v[1]), "r"(v.v[2]), "r"(v.v[3]));
     }
   }
   __syncthreads();
@@ -280,7 +250,7 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
 #pragma unroll
     for (int i = 0; i < 4; i++) acc[t][i] = 0.f;
 
-  // Row constants for tensor / channel scales.
+  // Row constants for tensor / channel scales and zero points.
 #if SMODE == SMODE_END
   const float s_a = scale_f32(s, sra), s_b = scale_f32(s, srb);
 #endif
@@ -292,8 +262,18 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
         const int ch = c + st;
         if (ch < c1) {
           const U4 A = ra[st], B = rb[st];
-          const float za = zpa[st], zb = zpb[st];
-          const float s0a = sa[st][0], s0b = sb[st][0], s1a = sa[st][NSC - 1], s1b = sb[st][NSC - 1];
+          // scales / zero points of this chunk (group index of the lane's first k)
+          const int kl = ch * KPC + q * KPL;
+#if SMODE == SMODE_END
+          const int gi = 0;
+#else
+          const int gi = kl / GROUP;
+#endif
+#if HAS_ZP
+          const float za = (float)zp[sra + gi], zb = (float)zp[srb + gi];
+#else
+          const float za = 0.f, zb = 0.f;
+#endif
           // the constant added to the decoded codes, per row
 #if FMT == FMT_INT4
           const u32 zza = pack_bf16(-136.f - za, -136.f - za), zzb = pack_bf16(-136.f - zb, -136.f - zb);
@@ -303,7 +283,9 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
           const float zfa = 8388608.f + 128.f + za, zfb = 8388608.f + 128.f + zb;
 #if SMODE == SMODE_PRE
           // 4-bit with groups of 16: words 0-1 and 2-3 of the lane take two scales
-          const float sa0 = s0a, sb0 = s0b, sa1 = s1a, sb1 = s1b;
+          const int g2 = (BITS == 4 && GROUP == 16) ? 1 : 0;
+          const float sa0 = scale_f32(s, sra + gi), sb0 = scale_f32(s, srb + gi);
+          const float sa1 = g2 ? scale_f32(s, sra + gi + 1) : sa0, sb1 = g2 ? scale_f32(s, srb + gi + 1) : sb0;
           const u32 pa0 = pack_bf16(sa0, sa0), pb0 = pack_bf16(sb0, sb0);
           const u32 pa1 = pack_bf16(sa1, sa1), pb1 = pack_bf16(sb1, sb1);
 #else
@@ -320,23 +302,20 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
 #else
 #define DST acc
 #endif
-#if SKIP & 2  // ablation: no decode / MMA, the words only feed one add
-          acc[0][0] += __uint_as_float((A.v[0] ^ A.v[1] ^ A.v[2] ^ A.v[3] ^ B.v[0] ^ B.v[1] ^ B.v[2] ^ B.v[3]) & 0x3F000000u);
-          if (0) {
-#else
-          {
-#endif
-          const u32 xch = xlane + r * rs + (ch - c0) * X_CS;
-          U4 X[MT];  // x unit of the current word(s), per token tile (zeros for rows >= M)
+          // x units of this chunk, per token tile (zeros for rows >= M)
+          U4 X[MT][UNITS];
+#pragma unroll
+          for (int t = 0; t < MT; t++) {
+            const int tok = t * 8 + r;
+            const u32 a = xlane + tok * rs + (ch - c0) * X_CS;
+#pragma unroll
+            for (int u = 0; u < UNITS; u++) {
+              if (tok < M) X[t][u] = ld_shared(a + u * 16);
+              else X[t][u] = U4{{0u, 0u, 0u, 0u}};
+            }
+          }
 #pragma unroll
           for (int j = 0; j < 4; j++) {
-            if (BITS == 4 || (j & 1) == 0) {
-#pragma unroll
-              for (int t = 0; t < MT; t++) {
-                if (t * 8 + r < M) X[t] = ld_shared(xch + t * 8 * rs + (BITS == 4 ? j : j >> 1) * 16);
-                else X[t] = U4{{0u, 0u, 0u, 0u}};
-              }
-            }
 #if FMT == FMT_INT8S
             const u32 wa_ = A.v[j] ^ 0x80808080u, wb_ = B.v[j] ^ 0x80808080u;  // two's complement -> code + 128
 #else
@@ -353,20 +332,24 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
               const u32 a2 = h ? decode<3>(wa_, zza, sca, zfa, sfa) : decode<1>(wa_, zza, sca, zfa, sfa);
               const u32 a3 = h ? decode<3>(wb_, zzb, scb, zfb, sfb) : decode<1>(wb_, zzb, scb, zfb, sfb);
 #pragma unroll
-              for (int t = 0; t < MT; t++)  // X: x[k .. k+7] of this word, as (0,4) (1,5) (2,6) (3,7)
-                mma(DST[t], a0, a1, a2, a3, X[t].v[2 * h], X[t].v[2 * h + 1]);
+              for (int t = 0; t < MT; t++) {
+                const U4 xv = X[t][j];  // x[k .. k+7] of this word, as (0,4) (1,5) (2,6) (3,7)
+                mma(DST[t], a0, a1, a2, a3, xv.v[2 * h], xv.v[2 * h + 1]);
+              }
             }
 #else
             // word j: 4 k, one step; pairs (0, 1) and (2, 3)
             const u32 a0 = decode<0>(wa_, zza, sca, zfa, sfa), a1 = decode<0>(wb_, zzb, scb, zfb, sfb);
             const u32 a2 = decode<1>(wa_, zza, sca, zfa, sfa), a3 = decode<1>(wb_, zzb, scb, zfb, sfb);
 #pragma unroll
-            for (int t = 0; t < MT; t++)
-              mma(DST[t], a0, a1, a2, a3, X[t].v[(j & 1) * 2], X[t].v[(j & 1) * 2 + 1]);
+            for (int t = 0; t < MT; t++) {
+              const U4 xv = X[t][j >> 1];
+              mma(DST[t], a0, a1, a2, a3, xv.v[(j & 1) * 2], xv.v[(j & 1) * 2 + 1]);
+            }
 #endif
           }
 #if SMODE == SMODE_CHUNK
-          const float cs_a = s0a, cs_b = s0b;
+          const float cs_a = scale_f32(s, sra + gi), cs_b = scale_f32(s, srb + gi);
 #pragma unroll
           for (int t = 0; t < MT; t++) {
             acc[t][0] += tmp[t][0] * cs_a;
@@ -376,8 +359,10 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
           }
 #endif
 #undef DST
+          if (ch + STAGES < c1) {  // refill this stage once its words are decoded
+            ra[st] = ld_stream(wa + (size_t)(ch + STAGES) * CH_STRIDE);
+            rb[st] = ld_stream(wb + (size_t)(ch + STAGES) * CH_STRIDE);
           }
-          if (ch + STAGES < c1) FETCH(st, ch + STAGES);  // refill this stage once its words are decoded
         }
       }
     }
@@ -389,10 +374,6 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
   }
 #endif
   const float g = HAS_GS ? gs[0] : 1.f;
-#if SKIP & 4  // ablation: no output, no split-K reduction
-  if (acc[0][0] == 1234.5f && acc[MT - 1][3] == 1234.5f) out[0] = 0;
-  return;
-#endif
 
   if (gridDim.y == 1) {
     if (active) {
@@ -474,34 +455,15 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
   __syncthreads();
   if (!is_last || !active) return;
   __threadfence();
-  for (int i0 = lane; i0 < 16 * M; i0 += 4 * 32) {  // 4 outputs per lane per round, loads in flight
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int sp0 = 0; sp0 < (int)gridDim.y; sp0 += 4) {  // 16 loads, then the sums in split order
-      float t[4][4];
-#pragma unroll
-      for (int a = 0; a < 4; a++)
-#pragma unroll
-        for (int b = 0; b < 4; b++) {
-          const int i = i0 + b * 32;
-          t[a][b] = (sp0 + a < (int)gridDim.y && i < 16 * M)
-                        ? ld_cg(part + ((size_t)(sp0 + a) * M + (i >> 4)) * N + n0 + (i & 15)) : 0.f;
-        }
-#pragma unroll
-      for (int a = 0; a < 4; a++)
-#pragma unroll
-        for (int b = 0; b < 4; b++) v[b] += t[a][b];
-    }
-#pragma unroll
-    for (int b = 0; b < 4; b++) {
-      const int i = i0 + b * 32, tok = i >> 4, n = n0 + (i & 15);
-      if (i < 16 * M) {
-        float o = v[b] * g;
+  for (int i = lane; i < 16 * M; i += 32) {
+    const int tok = i >> 4, n = n0 + (i & 15);
+    float v = 0.f;
+    for (int sp = 0; sp < (int)gridDim.y; sp++) v += ld_cg(part + ((size_t)sp * M + tok) * N + n);
+    v *= g;
 #if HAS_BIAS
-        o += bf16_to_f32(bias[n]);
+    v += bf16_to_f32(bias[n]);
 #endif
-        out[(size_t)tok * N + n] = f32_to_bf16(o);
-      }
-    }
+    out[(size_t)tok * N + n] = f32_to_bf16(v);
   }
 #endif
 }

@@ -52,9 +52,7 @@ class MmaConfig:
     stages: int = 4
     warps: int = 4
     packed: bool = False
-    minb: int = 1
     cluster: int = 1
-    skip: int = 0  # ablations for benchmarks only (wo_mma.cu: SKIP); the output is then garbage
 
     @property
     def bits(self) -> int:
@@ -64,8 +62,7 @@ class MmaConfig:
     def defines(self) -> str:
         d = dict(FMT=self.fmt, SK=self.sk, SMODE=self.smode, GROUP=max(self.group, 1), HAS_ZP=int(self.has_zp),
                  ZP_T=self.zp_t, HAS_GS=int(self.has_gs), HAS_BIAS=int(self.has_bias), MT=self.mt,
-                 STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), MINB=self.minb,
-                 CLUSTER=self.cluster, SKIP=self.skip)
+                 STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), CLUSTER=self.cluster)
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -196,12 +193,6 @@ def _sm_count(device: torch.device) -> int:
 LAUNCH = {True: (2, 32), False: (2, 16)}
 
 
-def default_minb(mt: int, warps: int, warps_per_sm: int) -> int:
-    """CTAs per SM the compiler must fit (register bound): all ``warps_per_sm`` for one token tile,
-    else 1 (more registers; measured faster from 2 tiles on)."""
-    return max(1, warps_per_sm // warps) if mt == 1 else 1
-
-
 def x_row_stride(chunks: int, bits: int) -> int:
     """Bytes per x row in shared memory (wo_mma.cu: x_row_stride)."""
     u = chunks * (256 + 16 if bits == 4 else 128) // 16
@@ -305,25 +296,23 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
 
 def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec: WeightSpec,
            stages: int | None = None, warps: int = 8, split: int | None = None,
-           warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET, max_cluster: int = MAX_CLUSTER,
-           minb: int | None = None, skip: int = 0) -> torch.Tensor:
+           warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET,
+           max_cluster: int = MAX_CLUSTER) -> torch.Tensor:
     """x2 [M, K] contiguous bf16 (M <= MAX_M) -> [M, N] bf16. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH`; splits up to
     ``max_cluster`` are reduced in a thread-block cluster (sm_90+), more through global memory
-    (:func:`launch_plan`); ``minb`` CTAs per SM bound the registers (default: :func:`default_minb`)."""
+    (:func:`launch_plan`)."""
     packed = spec.tiled
     d_stages, d_wps = LAUNCH[packed]
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
     m, k = x2.shape
     n = weight.shape[0]
     mt = -(-m // 8)
-    minb = minb or default_minb(mt, warps, warps_per_sm)
     smode, group = scale_mode(spec)
     zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
     base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
-                     zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, minb,
-                     skip=skip)
+                     zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed)
     cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm, smem_budget,
                                                      max_cluster)
     gran = spec.scale.granularity
