@@ -152,8 +152,12 @@ def source(cfg: MmaConfig) -> str:
 _KERNELS: dict[tuple, object] = {}
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _kernel(cfg: MmaConfig, device: torch.device):
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = _index(device)
     key = (cfg, idx)
     if key not in _KERNELS:
         from torch.cuda._utils import _cuda_load_module
@@ -173,7 +177,7 @@ _SMS: dict[int, int] = {}
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters, one per CTA column; each launch leaves them zero again."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = _index(device)
     t = _COUNTERS.get(idx)
     if t is None or t.numel() < n:
         t = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
@@ -182,7 +186,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = _index(device)
     if idx not in _SMS:
         _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SMS[idx]
@@ -217,11 +221,6 @@ def plan(m: int, n: int, k: int, bits: int, warps: int, stages: int, sms: int, s
             split += 1
     cps = -(-nch // split)
     return cols, -(-nch // cps), cps
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(idx)
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -262,7 +261,7 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
     A split of 2..``max_cluster`` runs as thread-block clusters (sm_90+) when all of its clusters
     fit on the GPU at once; otherwise the split shrinks (x still within ``smem_budget``), and
     failing that it is reduced through global memory."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = _index(device)
     key = (base, m, n, k, idx, split, warps_per_sm, smem_budget, max_cluster)
     if key in _PLANS:
         return _PLANS[key]
@@ -270,7 +269,7 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
     cols, nsplit, cps = plan(m, n, k, bits, base.warps, base.stages, _sm_count(device), split, warps_per_sm,
                              smem_budget)
     chosen = None
-    if _capability(device)[0] >= 9:
+    if torch.cuda.get_device_capability(idx)[0] >= 9:
         limit, s = max(smem_budget, x_bytes(m, cps, bits)), nsplit
         while 1 < s <= max_cluster:
             c = -(-nch // s)
