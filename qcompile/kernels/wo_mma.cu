@@ -50,10 +50,6 @@ typedef unsigned short u16;
 #define X_CS (KPC * 2 + (BITS == 4 ? 16 : 0))
 #define X_SEG(q) ((q) * KPL * 2 + (BITS == 4 ? ((q) >> 1) * 16 : 0))
 #define X_ROW_MOD (BITS == 4 ? 2 : 1)
-#define RING_BYTES (WARPS * STAGES * 1024)  // the weight rings, then x
-#if WGMMA && (SMODE == SMODE_CHUNK || WARPS % 4)
-#error "wgmma: whole warpgroups, and group scales applied to the decoded weights"
-#endif
 __device__ __forceinline__ int x_row_stride(int chunks) {
   const int u = chunks * X_CS / 16;
   return (u + (X_ROW_MOD - u % 8 + 8) % 8) * 16;
@@ -61,13 +57,12 @@ __device__ __forceinline__ int x_row_stride(int chunks) {
 
 struct __align__(16) U4 { u32 v[4]; };
 
-// 16 bytes global -> shared memory, asynchronously (L2 only); the bytes in flight hold no registers.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+__device__ __forceinline__ U4 ld_stream(const u32* p) {
+  U4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3]) : "l"(p));
+  return r;
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ U4 ld_shared(u32 addr) {
   U4 r;
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -168,27 +163,6 @@ __device__ __forceinline__ u32 decode(u32 w, u32 zz, u32 sc, float zf, float sf)
 #endif
 }
 
-#if WGMMA
-// wgmma (sm_90a): shared-memory descriptor of a K-major, unswizzled B tile whose two core matrices
-// along k are MT * 128 bytes apart (leading byte offset) and whose 8-token groups are 128 bytes
-// apart (stride byte offset).
-__device__ __forceinline__ unsigned long long wg_desc(u32 addr) {
-#ifdef WG_SWAP
-  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((MT * 128) >> 4) << 32) |
-         ((unsigned long long)(128 >> 4) << 16);
-#endif
-  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((MT * 128) >> 4) << 16) |
-         ((unsigned long long)(128 >> 4) << 32);
-}
-// The accumulators are written asynchronously: pin them around the wgmmas.
-__device__ __forceinline__ void wg_fence_acc(float (&acc)[MT][4]) {
-#pragma unroll
-  for (int t = 0; t < MT; t++)
-#pragma unroll
-    for (int i = 0; i < 4; i++) asm volatile("" : "+f"(acc[t][i])::"memory");
-}
-#endif
-
 // Thread-block cluster (sm_90): the split-K CTAs of one column, reduced through distributed shared
 // memory.
 #if CLUSTER > 1
@@ -241,53 +215,19 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
   // Per-lane scale / zero-point row bases.
   const int sra = rowa * ss, srb = (rowa + 8) * ss;
 
-  // Each warp's ring of STAGES slots in shared memory (before x): slot = [2 rows][32 lanes][16 B].
-  // A lane copies its own 16 bytes of rows r and r + 8 and reads back only those, so the ring needs
-  // no barrier, only cp.async.wait_group; one group per chunk, committed even when empty.
-  const u32 ring = smem_addr(xs) + warp * (STAGES * 1024) + lane * 16;
+  U4 ra[STAGES], rb[STAGES];
 #pragma unroll
-  for (int i = 0; i < STAGES; i++) {
+  for (int i = 0; i < STAGES; i++)
     if (active && c0 + i < c1) {
-      cp_async16(ring + i * 1024, wa + (size_t)(c0 + i) * CH_STRIDE);
-      cp_async16(ring + i * 1024 + 512, wb + (size_t)(c0 + i) * CH_STRIDE);
+      ra[i] = ld_stream(wa + (size_t)(c0 + i) * CH_STRIDE);
+      rb[i] = ld_stream(wb + (size_t)(c0 + i) * CH_STRIDE);
     }
-    cp_commit();
-  }
-  unsigned char* const xsm = xs + RING_BYTES;
 
-#if WGMMA
-  // x[:, c0*KPC : c1*KPC] -> shared memory as wgmma's B operand: K-major 8 x 16-byte core matrices
-  // [chunk][k16 step][2 (logical k 0-7, 8-15)][MT token groups][8 tokens][16 B]. Logical k pair
-  // (2q, 2q+1) of a step is lane q's pair v[e] of its x unit (e = 2 (step % 2) + half), so core
-  // matrix 4u + e of a chunk is the 4 x 4 word transpose of the units u of lanes q = 0..3.
-  const u32 xb = smem_addr(xsm);
-  {
-    const int per_tok = (c1 - c0) * UNITS;
-    for (int i = threadIdx.x; i < M * per_tok; i += WARPS * 32) {
-      const int m = i / per_tok, rem = i - m * per_tok, cl = rem / UNITS, u = rem - cl * UNITS;
-      const u16* src = x + (size_t)m * K + (size_t)(c0 + cl) * KPC + u * 8;
-      U4 v[4];
-#pragma unroll
-      for (int qq = 0; qq < 4; qq++) {
-        v[qq] = *(const U4*)(src + qq * KPL);
-#if BITS == 4
-        v[qq] = U4{{prmt(v[qq].v[0], v[qq].v[2], 0x5410u), prmt(v[qq].v[0], v[qq].v[2], 0x7632u),
-                    prmt(v[qq].v[1], v[qq].v[3], 0x5410u), prmt(v[qq].v[1], v[qq].v[3], 0x7632u)}};
-#endif
-      }
-#pragma unroll
-      for (int e = 0; e < 4; e++)
-        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(
-                         xb + ((cl * UNITS * 4 + 4 * u + e) * MT + (m >> 3)) * 128 + (m & 7) * 16),
-                     "r"(v[0].v[e]), "r"(v[1].v[e]), "r"(v[2].v[e]), "r"(v[3].v[e]));
-    }
-  }
-#else
   // x[:, c0*KPC : c1*KPC] -> shared memory, in the order the MMA reads it (see X_SEG / X_ROW_MOD):
   // lane q's 16-byte units of a chunk are contiguous, 4-bit units hold (x0,x4,x1,x5,x2,x6,x3,x7).
   {
     const int upc = KPC / 8;
-    const u32 base = smem_addr(xsm);
+    const u32 base = smem_addr(xs);
     for (int i = threadIdx.x; i < M * (ks / 8); i += WARPS * 32) {
       const int m = i / (ks / 8), gu = i - m * (ks / 8);
       U4 v = *(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8);
@@ -301,9 +241,8 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
                    "r"(v.v[0]), "r"(v.v[1]), "r"(v.v[2]), "r"(v.v[3]));
     }
   }
-#endif
   __syncthreads();
-  const u32 xlane = smem_addr(xsm) + X_SEG(q);
+  const u32 xlane = smem_addr(xs) + X_SEG(q);
 
   float acc[MT][4];
 #pragma unroll
@@ -317,142 +256,117 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
 #endif
 
   if (active) {
-    int slot = 0;
-    for (int ch = c0; ch < c1; ch++) {
-      cp_wait<STAGES - 1>();  // this chunk's group has landed
-      const U4 A = ld_shared(ring + slot * 1024), B = ld_shared(ring + slot * 1024 + 512);
-      // scales / zero points of this chunk (group index of the lane's first k)
-      const int kl = ch * KPC + q * KPL;
+    for (int c = c0; c < c1; c += STAGES) {
+#pragma unroll
+      for (int st = 0; st < STAGES; st++) {
+        const int ch = c + st;
+        if (ch < c1) {
+          const U4 A = ra[st], B = rb[st];
+          // scales / zero points of this chunk (group index of the lane's first k)
+          const int kl = ch * KPC + q * KPL;
 #if SMODE == SMODE_END
-      const int gi = 0;
+          const int gi = 0;
 #else
-      const int gi = kl / GROUP;
+          const int gi = kl / GROUP;
 #endif
 #if HAS_ZP
-      const float za = (float)zp[sra + gi], zb = (float)zp[srb + gi];
+          const float za = (float)zp[sra + gi], zb = (float)zp[srb + gi];
 #else
-      const float za = 0.f, zb = 0.f;
+          const float za = 0.f, zb = 0.f;
 #endif
-      // the constant added to the decoded codes, per row
+          // the constant added to the decoded codes, per row
 #if FMT == FMT_INT4
-      const u32 zza = pack_bf16(-136.f - za, -136.f - za), zzb = pack_bf16(-136.f - zb, -136.f - zb);
+          const u32 zza = pack_bf16(-136.f - za, -136.f - za), zzb = pack_bf16(-136.f - zb, -136.f - zb);
 #else
-      const u32 zza = 0, zzb = 0;
+          const u32 zza = 0, zzb = 0;
 #endif
-      const float zfa = 8388608.f + 128.f + za, zfb = 8388608.f + 128.f + zb;
+          const float zfa = 8388608.f + 128.f + za, zfb = 8388608.f + 128.f + zb;
 #if SMODE == SMODE_PRE
-      // 4-bit with groups of 16: words 0-1 and 2-3 of the lane take two scales
-      const int g2 = (BITS == 4 && GROUP == 16) ? 1 : 0;
-      const float sa0 = scale_f32(s, sra + gi), sb0 = scale_f32(s, srb + gi);
-      const float sa1 = g2 ? scale_f32(s, sra + gi + 1) : sa0, sb1 = g2 ? scale_f32(s, srb + gi + 1) : sb0;
-      const u32 pa0 = pack_bf16(sa0, sa0), pb0 = pack_bf16(sb0, sb0);
-      const u32 pa1 = pack_bf16(sa1, sa1), pb1 = pack_bf16(sb1, sb1);
+          // 4-bit with groups of 16: words 0-1 and 2-3 of the lane take two scales
+          const int g2 = (BITS == 4 && GROUP == 16) ? 1 : 0;
+          const float sa0 = scale_f32(s, sra + gi), sb0 = scale_f32(s, srb + gi);
+          const float sa1 = g2 ? scale_f32(s, sra + gi + 1) : sa0, sb1 = g2 ? scale_f32(s, srb + gi + 1) : sb0;
+          const u32 pa0 = pack_bf16(sa0, sa0), pb0 = pack_bf16(sb0, sb0);
+          const u32 pa1 = pack_bf16(sa1, sa1), pb1 = pack_bf16(sb1, sb1);
 #else
-      const float sa0 = 1.f, sb0 = 1.f, sa1 = 1.f, sb1 = 1.f;
-      const u32 pa0 = 0, pb0 = 0, pa1 = 0, pb1 = 0;
+          const float sa0 = 1.f, sb0 = 1.f, sa1 = 1.f, sb1 = 1.f;
+          const u32 pa0 = 0, pb0 = 0, pa1 = 0, pb1 = 0;
 #endif
 #if SMODE == SMODE_CHUNK
-      float tmp[MT][4];
+          float tmp[MT][4];
 #pragma unroll
-      for (int t = 0; t < MT; t++)
+          for (int t = 0; t < MT; t++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) tmp[t][i] = 0.f;
+            for (int i = 0; i < 4; i++) tmp[t][i] = 0.f;
 #define DST tmp
 #else
 #define DST acc
 #endif
-#if WGMMA
-      u32 af[KPC / 16][4];  // the A fragments of the chunk's k16 steps, for one wgmma each
-#else
-      // x units of this chunk, per token tile (zeros for rows >= M)
-      U4 X[MT][UNITS];
-#pragma unroll
-      for (int t = 0; t < MT; t++) {
-        const int tok = t * 8 + r;
-        const u32 a = xlane + tok * rs + (ch - c0) * X_CS;
-#pragma unroll
-        for (int u = 0; u < UNITS; u++) {
-          if (tok < M) X[t][u] = ld_shared(a + u * 16);
-          else X[t][u] = U4{{0u, 0u, 0u, 0u}};
-        }
-      }
-#endif
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-#if FMT == FMT_INT8S
-        const u32 wa_ = A.v[j] ^ 0x80808080u, wb_ = B.v[j] ^ 0x80808080u;  // two's complement -> code + 128
-#else
-        const u32 wa_ = A.v[j], wb_ = B.v[j];
-#endif
-        const u32 sca = (j < 2) ? pa0 : pa1, scb = (j < 2) ? pb0 : pb1;
-        const float sfa = (j < 2) ? sa0 : sa1, sfb = (j < 2) ? sb0 : sb1;
-#if BITS == 4
-        // word j: 8 k; two steps (h), pairs (2h, 2h+4) and (2h+1, 2h+5)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-          const u32 a0 = h ? decode<2>(wa_, zza, sca, zfa, sfa) : decode<0>(wa_, zza, sca, zfa, sfa);
-          const u32 a1 = h ? decode<2>(wb_, zzb, scb, zfb, sfb) : decode<0>(wb_, zzb, scb, zfb, sfb);
-          const u32 a2 = h ? decode<3>(wa_, zza, sca, zfa, sfa) : decode<1>(wa_, zza, sca, zfa, sfa);
-          const u32 a3 = h ? decode<3>(wb_, zzb, scb, zfb, sfb) : decode<1>(wb_, zzb, scb, zfb, sfb);
-#if WGMMA
-          af[2 * j + h][0] = a0; af[2 * j + h][1] = a1; af[2 * j + h][2] = a2; af[2 * j + h][3] = a3;
-#else
+          // x units of this chunk, per token tile (zeros for rows >= M)
+          U4 X[MT][UNITS];
 #pragma unroll
           for (int t = 0; t < MT; t++) {
-            const U4 xv = X[t][j];  // x[k .. k+7] of this word, as (0,4) (1,5) (2,6) (3,7)
-            mma(DST[t], a0, a1, a2, a3, xv.v[2 * h], xv.v[2 * h + 1]);
+            const int tok = t * 8 + r;
+            const u32 a = xlane + tok * rs + (ch - c0) * X_CS;
+#pragma unroll
+            for (int u = 0; u < UNITS; u++) {
+              if (tok < M) X[t][u] = ld_shared(a + u * 16);
+              else X[t][u] = U4{{0u, 0u, 0u, 0u}};
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < 4; j++) {
+#if FMT == FMT_INT8S
+            const u32 wa_ = A.v[j] ^ 0x80808080u, wb_ = B.v[j] ^ 0x80808080u;  // two's complement -> code + 128
+#else
+            const u32 wa_ = A.v[j], wb_ = B.v[j];
+#endif
+            const u32 sca = (j < 2) ? pa0 : pa1, scb = (j < 2) ? pb0 : pb1;
+            const float sfa = (j < 2) ? sa0 : sa1, sfb = (j < 2) ? sb0 : sb1;
+#if BITS == 4
+            // word j: 8 k; two steps (h), pairs (2h, 2h+4) and (2h+1, 2h+5)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+              const u32 a0 = h ? decode<2>(wa_, zza, sca, zfa, sfa) : decode<0>(wa_, zza, sca, zfa, sfa);
+              const u32 a1 = h ? decode<2>(wb_, zzb, scb, zfb, sfb) : decode<0>(wb_, zzb, scb, zfb, sfb);
+              const u32 a2 = h ? decode<3>(wa_, zza, sca, zfa, sfa) : decode<1>(wa_, zza, sca, zfa, sfa);
+              const u32 a3 = h ? decode<3>(wb_, zzb, scb, zfb, sfb) : decode<1>(wb_, zzb, scb, zfb, sfb);
+#pragma unroll
+              for (int t = 0; t < MT; t++) {
+                const U4 xv = X[t][j];  // x[k .. k+7] of this word, as (0,4) (1,5) (2,6) (3,7)
+                mma(DST[t], a0, a1, a2, a3, xv.v[2 * h], xv.v[2 * h + 1]);
+              }
+            }
+#else
+            // word j: 4 k, one step; pairs (0, 1) and (2, 3)
+            const u32 a0 = decode<0>(wa_, zza, sca, zfa, sfa), a1 = decode<0>(wb_, zzb, scb, zfb, sfb);
+            const u32 a2 = decode<1>(wa_, zza, sca, zfa, sfa), a3 = decode<1>(wb_, zzb, scb, zfb, sfb);
+#pragma unroll
+            for (int t = 0; t < MT; t++) {
+              const U4 xv = X[t][j >> 1];
+              mma(DST[t], a0, a1, a2, a3, xv.v[(j & 1) * 2], xv.v[(j & 1) * 2 + 1]);
+            }
+#endif
+          }
+#if SMODE == SMODE_CHUNK
+          const float cs_a = scale_f32(s, sra + gi), cs_b = scale_f32(s, srb + gi);
+#pragma unroll
+          for (int t = 0; t < MT; t++) {
+            acc[t][0] += tmp[t][0] * cs_a;
+            acc[t][1] += tmp[t][1] * cs_a;
+            acc[t][2] += tmp[t][2] * cs_b;
+            acc[t][3] += tmp[t][3] * cs_b;
           }
 #endif
-        }
-#else
-        // word j: 4 k, one step; pairs (0, 1) and (2, 3)
-        const u32 a0 = decode<0>(wa_, zza, sca, zfa, sfa), a1 = decode<0>(wb_, zzb, scb, zfb, sfb);
-        const u32 a2 = decode<1>(wa_, zza, sca, zfa, sfa), a3 = decode<1>(wb_, zzb, scb, zfb, sfb);
-#if WGMMA
-        af[j][0] = a0; af[j][1] = a1; af[j][2] = a2; af[j][3] = a3;
-#else
-#pragma unroll
-        for (int t = 0; t < MT; t++) {
-          const U4 xv = X[t][j >> 1];
-          mma(DST[t], a0, a1, a2, a3, xv.v[(j & 1) * 2], xv.v[(j & 1) * 2 + 1]);
-        }
-#endif
-#endif
-      }
-#if WGMMA
-      // one m64 x n(MT*8) x k16 wgmma per step, x (B) from shared memory; done before the next chunk
-      {
-        const unsigned long long d0 = wg_desc(xb + (ch - c0) * (KPC / 8) * MT * 128);
-        wg_fence_acc(acc);
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-        for (int st = 0; st < KPC / 16; st++)
-          wgmma_k16(&acc[0][0], af[st][0], af[st][1], af[st][2], af[st][3], d0 + ((st * 2 * MT * 128) >> 4));
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-        wg_fence_acc(acc);
-      }
-#endif
-#if SMODE == SMODE_CHUNK
-      const float cs_a = scale_f32(s, sra + gi), cs_b = scale_f32(s, srb + gi);
-#pragma unroll
-      for (int t = 0; t < MT; t++) {
-        acc[t][0] += tmp[t][0] * cs_a;
-        acc[t][1] += tmp[t][1] * cs_a;
-        acc[t][2] += tmp[t][2] * cs_b;
-        acc[t][3] += tmp[t][3] * cs_b;
-      }
-#endif
 #undef DST
-      if (ch + STAGES < c1) {  // refill this slot once its words are decoded (A, B used above)
-        cp_async16(ring + slot * 1024, wa + (size_t)(ch + STAGES) * CH_STRIDE);
-        cp_async16(ring + slot * 1024 + 512, wb + (size_t)(ch + STAGES) * CH_STRIDE);
+          if (ch + STAGES < c1) {  // refill this stage once its words are decoded
+            ra[st] = ld_stream(wa + (size_t)(ch + STAGES) * CH_STRIDE);
+            rb[st] = ld_stream(wb + (size_t)(ch + STAGES) * CH_STRIDE);
+          }
+        }
       }
-      cp_commit();
-      slot = slot + 1 == STAGES ? 0 : slot + 1;
     }
   }
-  cp_wait<0>();
 #if SMODE == SMODE_END
 #pragma unroll
   for (int t = 0; t < MT; t++) {

@@ -53,7 +53,6 @@ class MmaConfig:
     warps: int = 4
     packed: bool = False
     cluster: int = 1
-    wgmma: bool = False  # sm_90a: one wgmma per warpgroup and k16 step, x read from shared memory
 
     @property
     def bits(self) -> int:
@@ -63,8 +62,7 @@ class MmaConfig:
     def defines(self) -> str:
         d = dict(FMT=self.fmt, SK=self.sk, SMODE=self.smode, GROUP=max(self.group, 1), HAS_ZP=int(self.has_zp),
                  ZP_T=self.zp_t, HAS_GS=int(self.has_gs), HAS_BIAS=int(self.has_bias), MT=self.mt,
-                 STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), CLUSTER=self.cluster,
-                 WGMMA=int(self.wgmma))
+                 STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), CLUSTER=self.cluster)
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -147,26 +145,8 @@ def compile_cubin(src: str, arch: str, name: str = "wo_mma", extra: tuple[str, .
     return buf.raw
 
 
-def _wgmma_k16(n: int) -> str:
-    """The wgmma helper for ``n`` tokens (m64 n k16, bf16 in, fp32 accumulators d[n / 2] in the
-    mma.sync fragment order, A from registers, B from a shared-memory descriptor)."""
-    nd = n // 2
-    d = ",".join(f"%{i}" for i in range(nd))
-    a = ",".join(f"%{nd + i}" for i in range(4))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
-    asm = (f"{{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 "
-           f"{{{d}}}, {{{a}}}, %{nd + 4}, p, 1, 1, 0; }}")
-    return ("__device__ __forceinline__ void wgmma_k16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, "
-            f"unsigned long long desc) {{\n  asm volatile(\"{asm}\" : {outs} : \"r\"(a0), \"r\"(a1), \"r\"(a2), "
-            f"\"r\"(a3), \"l\"(desc));\n}}\n")
-
-
 def source(cfg: MmaConfig) -> str:
-    src = SOURCE.read_text()
-    if cfg.wgmma:  # after the typedefs
-        head, sep, rest = src.partition("#define FMT_INT4")
-        src = head + _wgmma_k16(8 * cfg.mt) + sep + rest
-    return cfg.defines() + src
+    return cfg.defines() + SOURCE.read_text()
 
 
 _KERNELS: dict[tuple, object] = {}
@@ -184,7 +164,7 @@ def _kernel(cfg: MmaConfig, device: torch.device):
 
         major, minor = torch.cuda.get_device_capability(idx)
         with torch.cuda.device(idx):
-            cubin = compile_cubin(source(cfg), f"{major}{minor}" + ("a" if cfg.wgmma else ""))
+            cubin = compile_cubin(source(cfg), f"{major}{minor}")
             _KERNELS[key] = _cuda_load_module(cubin, ["wo_mma"])["wo_mma"]
     return _KERNELS[key]
 
@@ -224,22 +204,20 @@ def x_row_stride(chunks: int, bits: int) -> int:
     return (u + (mod - u % 8 + 8) % 8) * 16
 
 
-def x_bytes(m: int, chunks: int, bits: int, wgmma: bool = False) -> int:
-    """Shared memory for the x rows of ``chunks`` chunks (wgmma: whole 8-token groups, unpadded)."""
-    if wgmma:
-        return -(-m // 8) * 8 * chunks * KPC[bits] * 2
+def x_bytes(m: int, chunks: int, bits: int) -> int:
+    """Shared memory for the x rows of ``chunks`` chunks."""
     return m * x_row_stride(chunks, bits)
 
 
 def plan(m: int, n: int, k: int, bits: int, warps: int, stages: int, sms: int, split: int | None = None,
-         warps_per_sm: int = 16, smem_budget: int = SMEM_BUDGET, wgmma: bool = False) -> tuple[int, int, int]:
+         warps_per_sm: int = 16, smem_budget: int = SMEM_BUDGET) -> tuple[int, int, int]:
     """(CTA columns, split, chunks per split): about ``warps_per_sm`` warps per SM, each streaming
     at least ``stages`` chunks, and the CTA's x slice within ``smem_budget`` bytes."""
     cols = -(-(n // 16) // warps)
     nch = k // KPC[bits]
     if split is None:
         split = max(1, min(round(warps_per_sm * sms / (cols * warps)), nch // stages))
-        while split < nch and x_bytes(m, -(-nch // split), bits, wgmma) > smem_budget:
+        while split < nch and x_bytes(m, -(-nch // split), bits) > smem_budget:
             split += 1
     cps = -(-nch // split)
     return cols, -(-nch // cps), cps
@@ -262,8 +240,7 @@ def _max_active_clusters(kern, cfg: MmaConfig, smem: int) -> int:
 
 
 def _smem(m: int, cps: int, cfg: MmaConfig) -> int:
-    """Dynamic shared memory: each warp's weight ring (``stages`` KiB), then the x slice."""
-    smem = cfg.warps * cfg.stages * 1024 + x_bytes(m, cps, cfg.bits, cfg.wgmma)
+    smem = x_bytes(m, cps, cfg.bits)
     if cfg.cluster > 1:  # the partials reuse x's shared memory: [M][warps * 16] fp32
         smem = max(smem, m * cfg.warps * 16 * 4)
     return smem
@@ -290,14 +267,14 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
         return _PLANS[key]
     bits, nch = base.bits, k // KPC[base.bits]
     cols, nsplit, cps = plan(m, n, k, bits, base.warps, base.stages, _sm_count(device), split, warps_per_sm,
-                             smem_budget, base.wgmma)
+                             smem_budget)
     chosen = None
     if torch.cuda.get_device_capability(idx)[0] >= 9:
-        limit, s = max(smem_budget, x_bytes(m, cps, bits, base.wgmma)), nsplit
+        limit, s = max(smem_budget, x_bytes(m, cps, bits)), nsplit
         while 1 < s <= max_cluster:
             c = -(-nch // s)
             s = -(-nch // c)
-            if x_bytes(m, c, bits, base.wgmma) > limit:
+            if x_bytes(m, c, bits) > limit:
                 break
             cfg = replace(base, cluster=s)
             smem = _smem(m, c, cfg)
@@ -319,7 +296,7 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
 def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec: WeightSpec,
            stages: int | None = None, warps: int = 8, split: int | None = None,
            warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET,
-           max_cluster: int = MAX_CLUSTER, pre_scale: bool = False, wgmma: bool = False) -> torch.Tensor:
+           max_cluster: int = MAX_CLUSTER) -> torch.Tensor:
     """x2 [M, K] contiguous bf16 (M <= MAX_M) -> [M, N] bf16. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH`; splits up to
@@ -332,11 +309,9 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     n = weight.shape[0]
     mt = -(-m // 8)
     smode, group = scale_mode(spec)
-    if (pre_scale or wgmma) and smode == SMODE_CHUNK:  # group scales into the decoded bf16 weights (fewer registers)
-        smode = SMODE_PRE
     zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
     base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
-                     zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, wgmma=wgmma)
+                     zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed)
     cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm, smem_budget,
                                                      max_cluster)
     gran = spec.scale.granularity
