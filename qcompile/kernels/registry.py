@@ -158,3 +158,4 @@ def _load_builtin():
     from . import reference  # noqa: F401  (registers the reference kernel)
     from . import fp8  # noqa: F401
     from . import wo_gemm  # noqa: F401
+    from . import nvfp4  # noqa: F401
