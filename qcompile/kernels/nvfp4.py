@@ -14,7 +14,8 @@ One op, two implementations chosen by its ``backend`` argument:
 On sm_90 and below NVFP4 W4A4 runs weight-only (``qcompile::wo_linear``) with a one-time warning, as
 the reference does; ``kernels='reference'`` gives the faithful W4A4 emulation there. The Blackwell
 path is written against FlashInfer's documented API and selected by capability; no sm_100 GPU was
-available, so its tests mock the capability and FlashInfer (docs/kernels-wo.md, "NVFP4 W4A4").
+available, so its tests mock the capability and FlashInfer (tests/kernels/test_nvfp4.py; the
+registry table in docs/kernels-wo.md).
 
 Canonical inputs: x [..., K] bf16/fp16; weight uint8 [N, K/2] (low nibble = even element);
 weight_scale fp8 e4m3 [N, K/16]; weight_global_scale and input_global_scale fp32 [1] (multiplying).
