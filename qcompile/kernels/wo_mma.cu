@@ -20,10 +20,13 @@
 //    its fp32 partials in its shared memory and sums a slice of the column's outputs over the
 //    cluster (distributed shared memory, rank order: deterministic). More splits: fp32 partials in
 //    global memory, the last CTA of a column sums them in split order and resets its counter.
+//  * PDL (sm_90, programmatic dependent launch): the first weight chunks are requested before
+//    griddepcontrol.wait, so they overlap the previous kernel's tail; x, the outputs, the partials
+//    and the counters are touched only after it.
 //
 // Compile-time configuration (#defines prepended by wo_mma.py): FMT, SK, SMODE, GROUP, HAS_ZP,
 // ZP_T, HAS_GS, HAS_BIAS, MT (8-token tiles), STAGES (chunks in flight per warp), WARPS, PACKED
-// (tiled words), CLUSTER (splits in one cluster).
+// (tiled words), CLUSTER (splits in one cluster), PDL.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -223,6 +226,11 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
       rb[i] = ld_stream(wb + (size_t)(c0 + i) * CH_STRIDE);
     }
 
+#if PDL && __CUDA_ARCH__ >= 900
+  // launched with programmatic stream serialization: the weight loads above may overlap the
+  // previous kernel; x and every output buffer are touched only after it has completed
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   // x[:, c0*KPC : c1*KPC] -> shared memory, in the order the MMA reads it (see X_SEG / X_ROW_MOD):
   // lane q's 16-byte units of a chunk are contiguous, 4-bit units hold (x0,x4,x1,x5,x2,x6,x3,x7).
   {
@@ -367,6 +375,9 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
       }
     }
   }
+#if PDL && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next kernel may start launching
+#endif
 #if SMODE == SMODE_END
 #pragma unroll
   for (int t = 0; t < MT; t++) {

@@ -4,6 +4,8 @@
 m16n8k16, bf16) fed with weights decoded in registers, from the canonical checkpoint layout or the
 tiled one (quant_math.tile_words), x in shared memory, split-K reduced inside a thread-block cluster
 (sm_90, up to 8 splits whose clusters all fit on the GPU at once) or by the last CTA of each column.
+On sm_90 it is launched with programmatic dependent launch (cuLaunchKernelEx): its first weight
+loads overlap the previous kernel's tail (``QCOMPILE_PDL=0`` turns this off).
 
 It is compiled at first use for the running GPU with NVRTC, the runtime compiler that ships with
 PyTorch's CUDA build (no CUDA toolkit, no C++ compiler, no ninja needed), one specialization per
@@ -34,6 +36,10 @@ MAX_M = 32  # 4 token tiles of 8; above, the Triton kernel / dequant + F.linear
 # Shared memory for x per CTA (M x K-range bf16); split-K grows until it fits.
 SMEM_BUDGET = 96 * 1024
 MAX_CLUSTER = 8  # splits reduced inside one thread-block cluster (the portable maximum), sm_90+
+# From this M up the split shrinks until its clusters fit (launch_plan). Below, a shrunk split lost to
+# the one-wave global-memory reduction by up to 3 us (int4) / 8 us (NVFP4) on the H100; at M = 8 the
+# shapes split both ways, so they keep shrinking (docs/kernels-wo.md, v6).
+CLUSTER_SHRINK_MIN_M = 5
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class MmaConfig:
     warps: int = 4
     packed: bool = False
     cluster: int = 1
+    pdl: bool = False
 
     @property
     def bits(self) -> int:
@@ -62,7 +69,8 @@ class MmaConfig:
     def defines(self) -> str:
         d = dict(FMT=self.fmt, SK=self.sk, SMODE=self.smode, GROUP=max(self.group, 1), HAS_ZP=int(self.has_zp),
                  ZP_T=self.zp_t, HAS_GS=int(self.has_gs), HAS_BIAS=int(self.has_bias), MT=self.mt,
-                 STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), CLUSTER=self.cluster)
+                 STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), CLUSTER=self.cluster,
+                 PDL=int(self.pdl))
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -228,6 +236,41 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
 
 
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, padding, 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int * 16)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PDL: dict[int, bool] = {}
+
+
+def _pdl_default(device: torch.device) -> bool:
+    """Programmatic dependent launch: sm_90+ (griddepcontrol), unless QCOMPILE_PDL=0."""
+    idx = _index(device)
+    if idx not in _PDL:
+        _PDL[idx] = (torch.cuda.get_device_capability(idx)[0] >= 9
+                     and os.environ.get("QCOMPILE_PDL", "1") != "0")
+    return _PDL[idx]
+
+
+def _launch(kern, grid, block, smem: int, pdl: bool, args: list) -> None:
+    """cuLaunchKernelEx on the current stream of the first tensor's device. With ``pdl`` the launch
+    may begin while the previous kernel of the stream finishes (programmatic stream serialization);
+    the kernel waits for it (griddepcontrol.wait) before it reads x or writes anything, so only its
+    weight loads overlap. Tensors are passed as pointers, ints as int32."""
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    held = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
+    ptrs = (ctypes.c_void_p * len(held))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in held])
+    attr = _LaunchAttr(_PROGRAMMATIC_STREAM_SERIALIZATION, 0, (ctypes.c_int * 16)(1))
+    stream = torch.cuda.current_stream(args[0].device)
+    conf = _LaunchConfig(grid, block, smem, stream._as_parameter_,
+                         ctypes.cast(ctypes.byref(attr), ctypes.c_void_p) if pdl else None, 1 if pdl else 0)
+    rc = _get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(conf), kern.func, ptrs, None)
+    if rc != 0:
+        raise RuntimeError(f"wo_mma: cuLaunchKernelEx failed with CUresult {rc}")
+
+
 def _max_active_clusters(kern, cfg: MmaConfig, smem: int) -> int:
     """How many clusters of ``cfg.cluster`` CTAs the GPU holds at once (cuOccupancyMaxActiveClusters;
     the kernel's cluster shape is compiled in); 0 if the driver cannot say."""
@@ -255,19 +298,43 @@ def _prepare(kern, smem: int):
 _PLANS: dict[tuple, tuple] = {}
 
 
+def _blocks_per_sm(kern, cfg: MmaConfig, smem: int) -> int:
+    """CTAs of ``kern`` one SM holds at once (cuOccupancyMaxActiveBlocksPerMultiprocessor); 0 if the
+    driver cannot say."""
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    n = ctypes.c_int(0)
+    rc = _get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(n), kern.func, 32 * cfg.warps, ctypes.c_size_t(smem))
+    return n.value if rc == 0 else 0
+
+
 def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, split: int | None,
                 warps_per_sm: int, smem_budget: int, max_cluster: int) -> tuple:
     """(config, kernel, CTA columns, split, chunks per split, shared memory) for one call shape.
-    A split of 2..``max_cluster`` runs as thread-block clusters (sm_90+) when all of its clusters
-    fit on the GPU at once; otherwise the split shrinks (x still within ``smem_budget``), and
-    failing that it is reduced through global memory."""
+
+    M < :data:`CLUSTER_SHRINK_MIN_M`: the split is capped so that every CTA runs in one wave,
+    and that split is reduced in a thread-block cluster (sm_90+) when all of its clusters fit on the
+    GPU at once, else through global memory (cheap at this M: a few partials per output).
+    Larger M: the split is shrunk until its clusters fit (x still within ``smem_budget``), as the
+    global reduction's tail grows with M. A forced ``split`` is kept either way."""
     idx = _index(device)
     key = (base, m, n, k, idx, split, warps_per_sm, smem_budget, max_cluster)
     if key in _PLANS:
         return _PLANS[key]
-    bits, nch = base.bits, k // KPC[base.bits]
-    cols, nsplit, cps = plan(m, n, k, bits, base.warps, base.stages, _sm_count(device), split, warps_per_sm,
-                             smem_budget)
+    bits, nch, sms = base.bits, k // KPC[base.bits], _sm_count(device)
+    cols, nsplit, cps = plan(m, n, k, bits, base.warps, base.stages, sms, split, warps_per_sm, smem_budget)
+    shrink = m >= CLUSTER_SHRINK_MIN_M
+    glob = replace(base, cluster=1)
+    if split is None and not shrink:  # one wave
+        while nsplit > 1:
+            kern = _prepare(_kernel(glob, device), _smem(m, cps, glob))
+            if cols * nsplit <= _blocks_per_sm(kern, glob, _smem(m, cps, glob)) * sms:
+                break
+            c = -(-nch // (nsplit - 1))
+            if x_bytes(m, c, bits) > smem_budget:
+                break
+            cps, nsplit = c, -(-nch // c)
     chosen = None
     if torch.cuda.get_device_capability(idx)[0] >= 9:
         limit, s = max(smem_budget, x_bytes(m, cps, bits)), nsplit
@@ -282,13 +349,12 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
             if _max_active_clusters(kern, cfg, smem) >= cols:
                 chosen = (cfg, kern, cols, s, c, smem)
                 break
-            if split is not None:  # a forced split is kept (reduced through global memory)
+            if split is not None or not shrink:  # kept, reduced through global memory
                 break
             s -= 1
     if chosen is None:
-        cfg = replace(base, cluster=1)
-        smem = _smem(m, cps, cfg)
-        chosen = (cfg, _prepare(_kernel(cfg, device), smem), cols, nsplit, cps, smem)
+        smem = _smem(m, cps, glob)
+        chosen = (glob, _prepare(_kernel(glob, device), smem), cols, nsplit, cps, smem)
     _PLANS[key] = chosen
     return chosen
 
@@ -296,22 +362,26 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
 def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec: WeightSpec,
            stages: int | None = None, warps: int = 8, split: int | None = None,
            warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET,
-           max_cluster: int = MAX_CLUSTER) -> torch.Tensor:
+           max_cluster: int = MAX_CLUSTER, pdl: bool | None = None) -> torch.Tensor:
     """x2 [M, K] contiguous bf16 (M <= MAX_M) -> [M, N] bf16. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH`; splits up to
     ``max_cluster`` are reduced in a thread-block cluster (sm_90+), more through global memory
-    (:func:`launch_plan`)."""
+    (:func:`launch_plan`). ``pdl``:
+    programmatic dependent launch (default: sm_90+ unless ``QCOMPILE_PDL=0``)."""
     packed = spec.tiled
+    m = x2.shape[0]
+    if pdl is None:
+        pdl = _pdl_default(x2.device)
     d_stages, d_wps = LAUNCH[packed]
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
-    m, k = x2.shape
+    k = x2.shape[1]
     n = weight.shape[0]
     mt = -(-m // 8)
     smode, group = scale_mode(spec)
     zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
     base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
-                     zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed)
+                     zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, pdl=pdl)
     cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm, smem_budget,
                                                      max_cluster)
     gran = spec.scale.granularity
@@ -327,10 +397,9 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     counters = _counters(x2.device, cols) if global_split else out
     w = weight.contiguous().view(torch.int32)
     dummy = out
-    kern(grid=(cols, nsplit, 1), block=(32 * warps, 1, 1),
-         args=[x2, w, s, zero_point.contiguous() if zero_point is not None else dummy,
-               global_scale.float().reshape(1) if global_scale is not None else dummy,
-               bias.to(torch.bfloat16).contiguous() if bias is not None else dummy,
-               out, part, counters, m, n, k, ss, cps],
-         shared_mem=smem)
+    _launch(kern, (cols, nsplit, 1), (32 * warps, 1, 1), smem, cfg.pdl,
+            [x2, w, s, zero_point.contiguous() if zero_point is not None else dummy,
+             global_scale.float().reshape(1) if global_scale is not None else dummy,
+             bias.to(torch.bfloat16).contiguous() if bias is not None else dummy,
+             out, part, counters, m, n, k, ss, cps])
     return out

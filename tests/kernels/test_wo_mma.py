@@ -99,13 +99,14 @@ NVRTC = os.environ.get("QCOMPILE_NVRTC")
 
 @pytest.mark.skipif(not NVRTC and not HAS_CUDA, reason="needs an NVRTC library (QCOMPILE_NVRTC) or a GPU")
 @pytest.mark.parametrize("name", MMA_NAMES)
-@pytest.mark.parametrize("mt,cluster", [(1, 1), (2, 8), (4, 4)])
-def test_source_compiles_for_sm90(name, mt, cluster):
+@pytest.mark.parametrize("mt,cluster,pdl,arch", [(1, 1, True, "90"), (2, 8, False, "90"), (4, 4, True, "90"),
+                                                  (1, 1, True, "80")])
+def test_source_compiles(name, mt, cluster, pdl, arch):
     spec = SPECS[name]
     smode, group = wo_mma.scale_mode(spec)
     cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
-                           spec.zero_point, "int", spec.global_scale, True, mt, cluster=cluster)
-    cubin = wo_mma.compile_cubin(wo_mma.source(cfg), "90")
+                           spec.zero_point, "int", spec.global_scale, True, mt, cluster=cluster, pdl=pdl)
+    cubin = wo_mma.compile_cubin(wo_mma.source(cfg), arch)
     assert cubin[:4] == b"\x7fELF"
 
 
@@ -185,3 +186,41 @@ def test_gpu_mma_cuda_graph():
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name", ["int4_g128", "nvfp4"])
+@pytest.mark.parametrize("m,max_cluster", [(1, 1), (16, 8), (5, 8)])
+def test_gpu_mma_pdl_chain(name, m, max_cluster):
+    """Each call's input is the previous call's output (back to back, or through another kernel),
+    captured in one CUDA graph: with programmatic dependent launch the kernel must still wait for
+    its input, so the chain equals the one launched without it, bit for bit, and eager."""
+    n = k = 4096
+    case = _gpu_case(name, m, n, k, torch.bfloat16, seed=11)
+    spec = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
+    w = quant_math.tile_words(case["weight"])
+
+    def chain(pdl):
+        x = case["x"]
+        for i in range(9):
+            y = wo_mma.wo_mma(x, w, case["weight_scale"], case["weight_global_scale"], case["weight_zero_point"],
+                              None, spec, max_cluster=max_cluster, pdl=pdl)
+            x = y if i % 3 else y / y.float().norm(dim=-1, keepdim=True).clamp_min(1e-6).bfloat16() * 64
+        return x
+
+    eager = chain(False)
+    assert bool(torch.isfinite(eager.float()).all()) and eager.float().abs().amax() > 0
+    got = {}
+    for pdl in (False, True):
+        chain(pdl)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(pdl)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        got[pdl] = out.clone()
+    assert torch.equal(got[True], got[False]) and torch.equal(got[False], eager)
+    assert torch.equal(chain(True), eager)
