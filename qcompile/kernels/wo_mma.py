@@ -329,7 +329,8 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
     if split is None and not shrink:  # one wave
         while nsplit > 1:
             kern = _prepare(_kernel(glob, device), _smem(m, cps, glob))
-            if cols * nsplit <= _blocks_per_sm(kern, glob, _smem(m, cps, glob)) * sms:
+            per_sm = _blocks_per_sm(kern, glob, _smem(m, cps, glob))
+            if per_sm == 0 or cols * nsplit <= per_sm * sms:  # unknown occupancy: keep the split
                 break
             c = -(-nch // (nsplit - 1))
             if x_bytes(m, c, bits) > smem_budget:
