@@ -224,7 +224,8 @@ def tune(args, g):
 
 
 # Launch variants of wo_mma (tiled weights, as a loaded model runs them); keyword arguments of
-# wo_mma.wo_mma. The first reduces split-K through global memory, the others in a cluster.
+# wo_mma.wo_mma. The first reduces split-K through global memory, the others as launch_plan decides
+# (a cluster where its rule and the GPU allow one).
 MMA_VARIANTS = [dict(packed=True, stages=s, warps=w, warps_per_sm=p, **kw) for s, w, p, kw in [
     (2, 8, 32, dict(max_cluster=1)), (2, 8, 32, {}), (2, 16, 32, {}), (2, 8, 24, {}), (4, 8, 16, {})]]
 

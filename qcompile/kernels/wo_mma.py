@@ -328,8 +328,8 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
     glob = replace(base, cluster=1)
     if split is None and not shrink:  # one wave
         while nsplit > 1:
-            kern = _prepare(_kernel(glob, device), _smem(m, cps, glob))
-            per_sm = _blocks_per_sm(kern, glob, _smem(m, cps, glob))
+            smem = _smem(m, cps, glob)
+            per_sm = _blocks_per_sm(_prepare(_kernel(glob, device), smem), glob, smem)
             if per_sm == 0 or cols * nsplit <= per_sm * sms:  # unknown occupancy: keep the split
                 break
             c = -(-nch // (nsplit - 1))
@@ -368,15 +368,14 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH`; splits up to
     ``max_cluster`` are reduced in a thread-block cluster (sm_90+), more through global memory
-    (:func:`launch_plan`). ``pdl``:
-    programmatic dependent launch (default: sm_90+ unless ``QCOMPILE_PDL=0``)."""
+    (:func:`launch_plan`). ``pdl``: programmatic dependent launch (default: sm_90+ unless
+    ``QCOMPILE_PDL=0``)."""
     packed = spec.tiled
-    m = x2.shape[0]
     if pdl is None:
         pdl = _pdl_default(x2.device)
     d_stages, d_wps = LAUNCH[packed]
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
-    k = x2.shape[1]
+    m, k = x2.shape
     n = weight.shape[0]
     mt = -(-m // 8)
     smode, group = scale_mode(spec)
