@@ -8,6 +8,7 @@ weight copies (the weights are not served from L2), tiled as a loaded model runs
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 
 import torch
@@ -26,6 +27,7 @@ def main(argv=None):
     p.add_argument("--launches", type=int, default=8)
     p.add_argument("--max-cluster", type=int, default=8, help="1: split-K through global memory")
     p.add_argument("--canonical", action="store_true", help="the checkpoint layout instead of tiled")
+    p.add_argument("--kw", default="{}", help='more wo_mma keywords as JSON, e.g. \'{"wgmma": true, "split": 4}\'')
     args = p.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     spec = FORMATS[args.format]
@@ -35,7 +37,8 @@ def main(argv=None):
         w, sp = q["weight"], spec
         if not args.canonical:
             w, sp = quant_math.tile_words(w), replace(spec, tiled=True)
-        wo_mma.wo_mma(x, w, q["weight_scale"], q["weight_global_scale"], None, None, sp, max_cluster=args.max_cluster)
+        wo_mma.wo_mma(x, w, q["weight_scale"], q["weight_global_scale"], None, None, sp, max_cluster=args.max_cluster,
+                      **json.loads(args.kw))
     torch.cuda.synchronize()
 
 

@@ -20,13 +20,21 @@
 //    its fp32 partials in its shared memory and sums a slice of the column's outputs over the
 //    cluster (distributed shared memory, rank order: deterministic). More splits: fp32 partials in
 //    global memory, the last CTA of a column sums them in split order and resets its counter.
+//  * WGMMA (sm_90a, M up to 128): one warpgroup (4 warps, 64 rows) issues wgmma.mma_async m64 x
+//    n(8 MT) x k16 per step with the decoded weights as A (registers, the same fragments) and x as B
+//    from shared memory (K-major 8 x 16-byte core matrices). x is streamed per chunk: cp.async copies
+//    it XSTAGES chunks ahead into a staging ring (no registers held), and one chunk ahead the CTA
+//    rewrites it from there into one of two B buffers in the order the decoded fragments need, while
+//    the wgmmas of the current chunk run. The CTA's K range needs no x staging up front, so any split
+//    fits. Group scales are multiplied into the decoded weights (no per-chunk fp32 step).
 //  * PDL (sm_90, programmatic dependent launch): the first weight chunks are requested before
 //    griddepcontrol.wait, so they overlap the previous kernel's tail; x, the outputs, the partials
 //    and the counters are touched only after it.
 //
 // Compile-time configuration (#defines prepended by wo_mma.py): FMT, SK, SMODE, GROUP, HAS_ZP,
 // ZP_T, HAS_GS, HAS_BIAS, MT (8-token tiles), STAGES (chunks in flight per warp), WARPS, PACKED
-// (tiled words), CLUSTER (splits in one cluster), PDL.
+// (tiled words), CLUSTER (splits in one cluster), PDL, WGMMA, XSTAGES (x chunks in flight, wgmma), MINB
+// (CTAs per SM the registers must allow).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -59,6 +67,26 @@ __device__ __forceinline__ int x_row_stride(int chunks) {
 }
 
 struct __align__(16) U4 { u32 v[4]; };
+
+#if WGMMA
+#if SMODE == SMODE_CHUNK || WARPS % 4 || STAGES % 2
+#error "wgmma: whole warpgroups, group scales multiplied into the decoded weights, an even STAGES"
+#endif
+// x of one chunk as wgmma's B operand: [k16 step][2 core matrices along k][MT token groups][8 tokens]
+// [16 B]. Logical k pair (2q, 2q+1) of a step is lane q's decoded pair, so core matrix 4u + e of a
+// chunk, row m, is word e of x unit u of lanes q = 0..3 (a 4 x 4 word transpose; see x_transform).
+#define XBUF (MT * 8 * KPC * 2)                               // bytes of one B buffer (one chunk)
+#define XROW (KPC * 2 + 16)  // staging row stride: 8 consecutive rows start in 8 different bank groups
+#define XSTAGE (MT * 8 * XROW)                                // bytes of one staging slot
+#define XTASKS (MT * 8 * UNITS)                               // (token, unit) pairs of one chunk
+#define XT ((XTASKS + WARPS * 32 - 1) / (WARPS * 32))         // per thread
+// Shared-memory descriptor of a K-major, unswizzled B tile: the two core matrices along k are
+// MT * 128 bytes apart (leading byte offset), the 8-token groups 128 bytes (stride byte offset).
+__device__ __forceinline__ unsigned long long wg_desc(u32 addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((MT * 128) >> 4) << 16) |
+         ((unsigned long long)(128 >> 4) << 32);
+}
+#endif
 
 __device__ __forceinline__ U4 ld_stream(const u32* p) {
   U4 r;
@@ -166,6 +194,151 @@ __device__ __forceinline__ u32 decode(u32 w, u32 zz, u32 sc, float zf, float sf)
 #endif
 }
 
+#if WGMMA
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+// x[:M, chunk ch] -> staging slot `slot` (natural order, rows XROW apart), asynchronously; one
+// commit group per chunk, also when empty, so that the waits count chunks.
+__device__ __forceinline__ void x_copy(u32 slot, const u16* __restrict__ x, int M, int K, int ch, bool on) {
+  constexpr int UPR = KPC / 8, N = (MT * 8 * UPR + WARPS * 32 - 1) / (WARPS * 32);
+#pragma unroll
+  for (int i = 0; i < N; i++) {
+    const int t = threadIdx.x + i * WARPS * 32, m = t / UPR, uu = t % UPR;
+    if (on && m < M) cp_async16(slot + m * XROW + uu * 16, x + (size_t)m * K + (size_t)ch * KPC + uu * 8);
+  }
+  cp_commit();
+}
+// Staging slot -> B buffer `buf`, as wgmma's B operand (see XBUF); then visible to the async proxy.
+// Task t: token (t % 8) + 8 (t / (8 UNITS)), unit (t / 8) % UNITS: 8 consecutive threads read 8
+// rows and write the 8 consecutive 16-byte rows of one core matrix (no bank conflicts). Tokens >= M
+// are zeros.
+__device__ __forceinline__ void x_transform(u32 slot, u32 buf, int M) {
+#pragma unroll
+  for (int i = 0; i < XT; i++) {
+    const int t = threadIdx.x + i * WARPS * 32;
+    const int m = (t & 7) + 8 * (t / (8 * UNITS)), u = (t >> 3) % UNITS;
+    if (t < XTASKS) {
+      U4 w[4];
+#pragma unroll
+      for (int qq = 0; qq < 4; qq++) {
+        U4 v = m < M ? ld_shared(slot + m * XROW + qq * KPL * 2 + u * 16) : U4{{0u, 0u, 0u, 0u}};
+#if BITS == 4  // units as (x0,x4) (x1,x5) (x2,x6) (x3,x7): pair e is decode<e>'s
+        v = U4{{prmt(v.v[0], v.v[2], 0x5410u), prmt(v.v[0], v.v[2], 0x7632u), prmt(v.v[1], v.v[3], 0x5410u),
+                prmt(v.v[1], v.v[3], 0x7632u)}};
+#endif
+        w[qq] = v;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(buf + ((4 * u + e) * MT + (m >> 3)) * 128 +
+                                                                      (m & 7) * 16),
+                     "r"(w[0].v[e]), "r"(w[1].v[e]), "r"(w[2].v[e]), "r"(w[3].v[e]));
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// wgmma reads its A fragments from registers asynchronously: keep them allocated until it is done.
+__device__ __forceinline__ void wg_fence_frags(u32 (&f)[KPC / 16][4]) {
+#pragma unroll
+  for (int k = 0; k < KPC / 16; k++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) asm volatile("" : "+r"(f[k][i])::"memory");
+}
+// The accumulators are written asynchronously by wgmma: pin them around it.
+__device__ __forceinline__ void wg_fence_acc(float (&acc)[MT][4]) {
+#pragma unroll
+  for (int t = 0; t < MT; t++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) asm volatile("" : "+f"(acc[t][i])::"memory");
+}
+#endif
+
+// Group index (scale / zero-point column) of lane q's k in chunk ch.
+__device__ __forceinline__ int group_index(int ch, int q) {
+#if SMODE == SMODE_END
+  return 0;
+#else
+  return (ch * KPC + q * KPL) / GROUP;
+#endif
+}
+
+// The zero points and pre-scales (SMODE_PRE) of this lane's rows r (a) and r + 8 (b) in chunk `ch`
+// (sra / srb: their scale rows): loaded ahead of the chunk's decode, as their latency is not hidden.
+struct ChunkConsts { float za, zb, sa0, sb0, sa1, sb1; };
+__device__ __forceinline__ ChunkConsts chunk_consts(int ch, int q, int sra, int srb, const void* __restrict__ s,
+                                                    const ZP_T* __restrict__ zp) {
+  ChunkConsts c;
+  const int gi = group_index(ch, q);
+#if HAS_ZP
+  c.za = (float)zp[sra + gi];
+  c.zb = (float)zp[srb + gi];
+#else
+  c.za = c.zb = 0.f;
+#endif
+#if SMODE == SMODE_PRE
+  // 4-bit with groups of 16: words 0-1 and 2-3 of the lane take two scales
+  const int g2 = (BITS == 4 && GROUP == 16) ? 1 : 0;
+  c.sa0 = scale_f32(s, sra + gi);
+  c.sb0 = scale_f32(s, srb + gi);
+  c.sa1 = g2 ? scale_f32(s, sra + gi + 1) : c.sa0;
+  c.sb1 = g2 ? scale_f32(s, srb + gi + 1) : c.sb0;
+#else
+  c.sa0 = c.sb0 = c.sa1 = c.sb1 = 1.f;
+#endif
+  return c;
+}
+
+// Decodes this lane's words of one chunk (A: row r, B: row r + 8) with its ChunkConsts and hands the
+// A fragment of each k16 step, in order, to emit(k16, a0, a1, a2, a3). Chunk and row scales are the
+// caller's.
+template <class F>
+__device__ __forceinline__ void decode_chunk(const U4& A, const U4& B, const ChunkConsts& c, F&& emit) {
+  const float za = c.za, zb = c.zb, sa0 = c.sa0, sb0 = c.sb0, sa1 = c.sa1, sb1 = c.sb1;
+  // the constant added to the decoded codes, per row
+#if FMT == FMT_INT4
+  const u32 zza = pack_bf16(-136.f - za, -136.f - za), zzb = pack_bf16(-136.f - zb, -136.f - zb);
+#else
+  const u32 zza = 0, zzb = 0;
+#endif
+  const float zfa = 8388608.f + 128.f + za, zfb = 8388608.f + 128.f + zb;
+#if SMODE == SMODE_PRE
+  const u32 pa0 = pack_bf16(sa0, sa0), pb0 = pack_bf16(sb0, sb0);
+  const u32 pa1 = pack_bf16(sa1, sa1), pb1 = pack_bf16(sb1, sb1);
+#else
+  const u32 pa0 = 0, pb0 = 0, pa1 = 0, pb1 = 0;
+#endif
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+#if FMT == FMT_INT8S
+    const u32 wa_ = A.v[j] ^ 0x80808080u, wb_ = B.v[j] ^ 0x80808080u;  // two's complement -> code + 128
+#else
+    const u32 wa_ = A.v[j], wb_ = B.v[j];
+#endif
+    const u32 sca = (j < 2) ? pa0 : pa1, scb = (j < 2) ? pb0 : pb1;
+    const float sfa = (j < 2) ? sa0 : sa1, sfb = (j < 2) ? sb0 : sb1;
+#if BITS == 4
+    // word j: 8 k; two steps (h), pairs (2h, 2h+4) and (2h+1, 2h+5)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const u32 a0 = h ? decode<2>(wa_, zza, sca, zfa, sfa) : decode<0>(wa_, zza, sca, zfa, sfa);
+      const u32 a1 = h ? decode<2>(wb_, zzb, scb, zfb, sfb) : decode<0>(wb_, zzb, scb, zfb, sfb);
+      const u32 a2 = h ? decode<3>(wa_, zza, sca, zfa, sfa) : decode<1>(wa_, zza, sca, zfa, sfa);
+      const u32 a3 = h ? decode<3>(wb_, zzb, scb, zfb, sfb) : decode<1>(wb_, zzb, scb, zfb, sfb);
+      emit(2 * j + h, a0, a1, a2, a3);
+    }
+#else
+    // word j: 4 k, one step; pairs (0, 1) and (2, 3)
+    const u32 a0 = decode<0>(wa_, zza, sca, zfa, sfa), a1 = decode<0>(wb_, zzb, scb, zfb, sfb);
+    const u32 a2 = decode<1>(wa_, zza, sca, zfa, sfa), a3 = decode<1>(wb_, zzb, scb, zfb, sfb);
+    emit(j, a0, a1, a2, a3);
+#endif
+  }
+}
+
 // Thread-block cluster (sm_90): the split-K CTAs of one column, reduced through distributed shared
 // memory.
 #if CLUSTER > 1
@@ -189,7 +362,12 @@ __device__ __forceinline__ float ld_dsmem(u32 addr, int rank) {  // `addr` in CT
   return v;
 }
 
-extern "C" __global__ void KATTR __launch_bounds__(WARPS * 32)
+#if MINB > 1
+#define LBOUNDS __launch_bounds__(WARPS * 32, MINB)
+#else
+#define LBOUNDS __launch_bounds__(WARPS * 32)  // (an explicit 1 lets the compiler use more registers)
+#endif
+extern "C" __global__ void KATTR LBOUNDS
 wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restrict__ s,
        const ZP_T* __restrict__ zp, const float* __restrict__ gs, const u16* __restrict__ bias,
        u16* __restrict__ out, float* __restrict__ part, int* __restrict__ counters,
@@ -218,10 +396,12 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
   // Per-lane scale / zero-point row bases.
   const int sra = rowa * ss, srb = (rowa + 8) * ss;
 
+  // wgmma is warpgroup-wide: idle warps run the loop too (on rows 0..15), only their outputs are dropped
+  const bool run = WGMMA || active;
   U4 ra[STAGES], rb[STAGES];
 #pragma unroll
   for (int i = 0; i < STAGES; i++)
-    if (active && c0 + i < c1) {
+    if (run && c0 + i < c1) {
       ra[i] = ld_stream(wa + (size_t)(c0 + i) * CH_STRIDE);
       rb[i] = ld_stream(wb + (size_t)(c0 + i) * CH_STRIDE);
     }
@@ -231,6 +411,16 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
   // previous kernel; x and every output buffer are touched only after it has completed
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+#if WGMMA
+  // x: chunks c0 .. c0 + XSTAGES - 1 into the staging ring; chunk c0 into B buffer 0, published by
+  // the loop's first barrier
+  const u32 xbufs = smem_addr(xs), xstage = xbufs + 2 * XBUF;
+#pragma unroll
+  for (int i = 0; i < XSTAGES; i++) x_copy(xstage + i * XSTAGE, x, M, K, c0 + i, c0 + i < c1);
+  cp_wait<XSTAGES - 1>();
+  __syncthreads();
+  x_transform(xstage, xbufs, M);
+#else
   // x[:, c0*KPC : c1*KPC] -> shared memory, in the order the MMA reads it (see X_SEG / X_ROW_MOD):
   // lane q's 16-byte units of a chunk are contiguous, 4-bit units hold (x0,x4,x1,x5,x2,x6,x3,x7).
   {
@@ -251,6 +441,7 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
   }
   __syncthreads();
   const u32 xlane = smem_addr(xs) + X_SEG(q);
+#endif
 
   float acc[MT][4];
 #pragma unroll
@@ -263,43 +454,68 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
   const float s_a = scale_f32(s, sra), s_b = scale_f32(s, srb);
 #endif
 
+#if WGMMA
+  // Software pipeline over chunks: the wgmmas of chunk ch run while the CTA rewrites chunk ch + 1's x
+  // into the other B buffer and each warp decodes chunk ch + 1's weights into the other fragment set.
+  // Two barriers per chunk: B(ch) complete before its wgmmas; every warpgroup's wgmmas of ch - 1 done
+  // before their B buffer and fragments are overwritten.
+  u32 af[2][KPC / 16][4];
+  ChunkConsts kc[2];  // chunk j's in kc[(j - c0) % 2], loaded a chunk before its decode
+  kc[0] = chunk_consts(c0, q, sra, srb, s, zp);
+  if (c0 + 1 < c1) kc[1] = chunk_consts(c0 + 1, q, sra, srb, s, zp);
+  decode_chunk(ra[0], rb[0], kc[0], [&](int k16, u32 a0, u32 a1, u32 a2, u32 a3) {
+    af[0][k16][0] = a0; af[0][k16][1] = a1; af[0][k16][2] = a2; af[0][k16][3] = a3;
+  });
+  if (c0 + STAGES < c1) {
+    ra[0] = ld_stream(wa + (size_t)(c0 + STAGES) * CH_STRIDE);
+    rb[0] = ld_stream(wb + (size_t)(c0 + STAGES) * CH_STRIDE);
+  }
+  for (int c = c0; c < c1; c += STAGES) {
+#pragma unroll
+    for (int st = 0; st < STAGES; st++) {
+      const int ch = c + st, p = st & 1;  // (ch - c0) % 2 == st % 2: STAGES is even
+      if (ch < c1) {
+        __syncthreads();
+        {
+          const unsigned long long d0 = wg_desc(xbufs + p * XBUF);
+          wg_fence_acc(acc);
+          asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+          for (int k16 = 0; k16 < KPC / 16; k16++)
+            wgmma_k16(&acc[0][0], af[p][k16][0], af[p][k16][1], af[p][k16][2], af[p][k16][3],
+                      d0 + ((k16 * 2 * MT * 128) >> 4));
+          asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        }
+        if (ch + 1 < c1) {
+          cp_wait<XSTAGES - 2>();
+          asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // this warpgroup's chunk ch - 1
+          wg_fence_frags(af[p ^ 1]);
+          __syncthreads();
+          const int sl = (ch - c0) % XSTAGES, sn = (st + 1) % STAGES;
+          x_copy(xstage + sl * XSTAGE, x, M, K, ch + XSTAGES, ch + XSTAGES < c1);
+          x_transform(xstage + ((sl + 1) % XSTAGES) * XSTAGE, xbufs + (p ^ 1) * XBUF, M);
+          decode_chunk(ra[sn], rb[sn], kc[p ^ 1], [&](int k16, u32 a0, u32 a1, u32 a2, u32 a3) {
+            af[p ^ 1][k16][0] = a0; af[p ^ 1][k16][1] = a1; af[p ^ 1][k16][2] = a2; af[p ^ 1][k16][3] = a3;
+          });
+          if (ch + 2 < c1) kc[p] = chunk_consts(ch + 2, q, sra, srb, s, zp);
+          if (ch + 1 + STAGES < c1) {
+            ra[sn] = ld_stream(wa + (size_t)(ch + 1 + STAGES) * CH_STRIDE);
+            rb[sn] = ld_stream(wb + (size_t)(ch + 1 + STAGES) * CH_STRIDE);
+          }
+        }
+      }
+    }
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  wg_fence_acc(acc);
+  cp_wait<0>();  // (only empty groups can be left)
+#else
   if (active) {
     for (int c = c0; c < c1; c += STAGES) {
 #pragma unroll
       for (int st = 0; st < STAGES; st++) {
         const int ch = c + st;
         if (ch < c1) {
-          const U4 A = ra[st], B = rb[st];
-          // scales / zero points of this chunk (group index of the lane's first k)
-          const int kl = ch * KPC + q * KPL;
-#if SMODE == SMODE_END
-          const int gi = 0;
-#else
-          const int gi = kl / GROUP;
-#endif
-#if HAS_ZP
-          const float za = (float)zp[sra + gi], zb = (float)zp[srb + gi];
-#else
-          const float za = 0.f, zb = 0.f;
-#endif
-          // the constant added to the decoded codes, per row
-#if FMT == FMT_INT4
-          const u32 zza = pack_bf16(-136.f - za, -136.f - za), zzb = pack_bf16(-136.f - zb, -136.f - zb);
-#else
-          const u32 zza = 0, zzb = 0;
-#endif
-          const float zfa = 8388608.f + 128.f + za, zfb = 8388608.f + 128.f + zb;
-#if SMODE == SMODE_PRE
-          // 4-bit with groups of 16: words 0-1 and 2-3 of the lane take two scales
-          const int g2 = (BITS == 4 && GROUP == 16) ? 1 : 0;
-          const float sa0 = scale_f32(s, sra + gi), sb0 = scale_f32(s, srb + gi);
-          const float sa1 = g2 ? scale_f32(s, sra + gi + 1) : sa0, sb1 = g2 ? scale_f32(s, srb + gi + 1) : sb0;
-          const u32 pa0 = pack_bf16(sa0, sa0), pb0 = pack_bf16(sb0, sb0);
-          const u32 pa1 = pack_bf16(sa1, sa1), pb1 = pack_bf16(sb1, sb1);
-#else
-          const float sa0 = 1.f, sb0 = 1.f, sa1 = 1.f, sb1 = 1.f;
-          const u32 pa0 = 0, pb0 = 0, pa1 = 0, pb1 = 0;
-#endif
 #if SMODE == SMODE_CHUNK
           float tmp[MT][4];
 #pragma unroll
@@ -310,6 +526,7 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
 #else
 #define DST acc
 #endif
+          const ChunkConsts kc = chunk_consts(ch, q, sra, srb, s, zp);
           // x units of this chunk, per token tile (zeros for rows >= M)
           U4 X[MT][UNITS];
 #pragma unroll
@@ -322,41 +539,16 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
               else X[t][u] = U4{{0u, 0u, 0u, 0u}};
             }
           }
-#pragma unroll
-          for (int j = 0; j < 4; j++) {
-#if FMT == FMT_INT8S
-            const u32 wa_ = A.v[j] ^ 0x80808080u, wb_ = B.v[j] ^ 0x80808080u;  // two's complement -> code + 128
-#else
-            const u32 wa_ = A.v[j], wb_ = B.v[j];
-#endif
-            const u32 sca = (j < 2) ? pa0 : pa1, scb = (j < 2) ? pb0 : pb1;
-            const float sfa = (j < 2) ? sa0 : sa1, sfb = (j < 2) ? sb0 : sb1;
-#if BITS == 4
-            // word j: 8 k; two steps (h), pairs (2h, 2h+4) and (2h+1, 2h+5)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-              const u32 a0 = h ? decode<2>(wa_, zza, sca, zfa, sfa) : decode<0>(wa_, zza, sca, zfa, sfa);
-              const u32 a1 = h ? decode<2>(wb_, zzb, scb, zfb, sfb) : decode<0>(wb_, zzb, scb, zfb, sfb);
-              const u32 a2 = h ? decode<3>(wa_, zza, sca, zfa, sfa) : decode<1>(wa_, zza, sca, zfa, sfa);
-              const u32 a3 = h ? decode<3>(wb_, zzb, scb, zfb, sfb) : decode<1>(wb_, zzb, scb, zfb, sfb);
-#pragma unroll
-              for (int t = 0; t < MT; t++) {
-                const U4 xv = X[t][j];  // x[k .. k+7] of this word, as (0,4) (1,5) (2,6) (3,7)
-                mma(DST[t], a0, a1, a2, a3, xv.v[2 * h], xv.v[2 * h + 1]);
-              }
-            }
-#else
-            // word j: 4 k, one step; pairs (0, 1) and (2, 3)
-            const u32 a0 = decode<0>(wa_, zza, sca, zfa, sfa), a1 = decode<0>(wb_, zzb, scb, zfb, sfb);
-            const u32 a2 = decode<1>(wa_, zza, sca, zfa, sfa), a3 = decode<1>(wb_, zzb, scb, zfb, sfb);
+          // step k16's x: 4-bit, pairs (0,4) (1,5) of unit k16 / 2 or (2,6) (3,7); 8-bit, words 0-1 or 2-3
+          decode_chunk(ra[st], rb[st], kc, [&](int k16, u32 a0, u32 a1, u32 a2, u32 a3) {
 #pragma unroll
             for (int t = 0; t < MT; t++) {
-              const U4 xv = X[t][j >> 1];
-              mma(DST[t], a0, a1, a2, a3, xv.v[(j & 1) * 2], xv.v[(j & 1) * 2 + 1]);
+              const U4 xv = X[t][k16 >> 1];
+              mma(DST[t], a0, a1, a2, a3, xv.v[(k16 & 1) * 2], xv.v[(k16 & 1) * 2 + 1]);
             }
-#endif
-          }
+          });
 #if SMODE == SMODE_CHUNK
+          const int gi = group_index(ch, q);
           const float cs_a = scale_f32(s, sra + gi), cs_b = scale_f32(s, srb + gi);
 #pragma unroll
           for (int t = 0; t < MT; t++) {
@@ -375,6 +567,7 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
       }
     }
   }
+#endif
 #if PDL && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next kernel may start launching
 #endif

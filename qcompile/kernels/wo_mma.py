@@ -40,6 +40,11 @@ MAX_CLUSTER = 8  # splits reduced inside one thread-block cluster (the portable 
 # the one-wave global-memory reduction by up to 3 us (int4) / 8 us (NVFP4) on the H100; at M = 8 the
 # shapes split both ways, so they keep shrinking (docs/kernels-wo.md, v6).
 CLUSTER_SHRINK_MIN_M = 5
+# M range of the wgmma build on sm_90 (x streamed per chunk, warpgroup MMAs): it beat the mma.sync
+# build at M = 32 at both measured shapes and lost at M = 16 at N = K = 8192 (docs/kernels-wo.md, v7).
+WGMMA_MIN_M = 17
+# wgmma launch: 16 warps (4 warpgroups, 256 rows) per CTA, one CTA per SM, splits for one wave.
+WGMMA_LAUNCH = dict(warps=16, warps_per_sm=16)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,9 @@ class MmaConfig:
     packed: bool = False
     cluster: int = 1
     pdl: bool = False
+    wgmma: bool = False  # sm_90a: warpgroup MMAs, x streamed per chunk through shared memory
+    xstages: int = 4  # wgmma: x chunks in flight (cp.async staging ring)
+    minb: int = 1  # CTAs per SM that the register allocation must allow (__launch_bounds__)
 
     @property
     def bits(self) -> int:
@@ -70,7 +78,8 @@ class MmaConfig:
         d = dict(FMT=self.fmt, SK=self.sk, SMODE=self.smode, GROUP=max(self.group, 1), HAS_ZP=int(self.has_zp),
                  ZP_T=self.zp_t, HAS_GS=int(self.has_gs), HAS_BIAS=int(self.has_bias), MT=self.mt,
                  STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), CLUSTER=self.cluster,
-                 PDL=int(self.pdl))
+                 PDL=int(self.pdl), WGMMA=int(self.wgmma), XSTAGES=self.xstages,
+                 MINB=self.minb)
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -153,8 +162,32 @@ def compile_cubin(src: str, arch: str, name: str = "wo_mma", extra: tuple[str, .
     return buf.raw
 
 
+def _wgmma_k16(n: int) -> str:
+    """``wgmma_k16`` for ``n`` tokens: one m64 x n x k16 wgmma (bf16 in, fp32 accumulators d[n / 2]
+    in the mma.sync fragment order), A from registers, B through a shared-memory descriptor. The
+    operand list depends on n, so it is generated."""
+    nd = n // 2
+    d = ",".join(f"%{i}" for i in range(nd))
+    a = ",".join(f"%{nd + i}" for i in range(4))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
+    asm = (f"{{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 "
+           f"{{{d}}}, {{{a}}}, %{nd + 4}, p, 1, 1, 0; }}")
+    return ("__device__ __forceinline__ void wgmma_k16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, "
+            f"unsigned long long desc) {{\n  asm volatile(\"{asm}\" : {outs} : \"r\"(a0), \"r\"(a1), \"r\"(a2), "
+            f"\"r\"(a3), \"l\"(desc));\n}}\n")
+
+
 def source(cfg: MmaConfig) -> str:
-    return cfg.defines() + SOURCE.read_text()
+    src = SOURCE.read_text()
+    if cfg.wgmma:  # after the typedefs
+        head, sep, rest = src.partition("#define FMT_INT4")
+        src = head + _wgmma_k16(8 * cfg.mt) + sep + rest
+    return cfg.defines() + src
+
+
+def arch_of(cfg: MmaConfig, major: int, minor: int) -> str:
+    """NVRTC's architecture: wgmma needs the architecture-specific sm_90a."""
+    return f"{major}{minor}" + ("a" if cfg.wgmma else "")
 
 
 _KERNELS: dict[tuple, object] = {}
@@ -172,7 +205,7 @@ def _kernel(cfg: MmaConfig, device: torch.device):
 
         major, minor = torch.cuda.get_device_capability(idx)
         with torch.cuda.device(idx):
-            cubin = compile_cubin(source(cfg), f"{major}{minor}")
+            cubin = compile_cubin(source(cfg), arch_of(cfg, major, minor))
             _KERNELS[key] = _cuda_load_module(cubin, ["wo_mma"])["wo_mma"]
     return _KERNELS[key]
 
@@ -212,20 +245,24 @@ def x_row_stride(chunks: int, bits: int) -> int:
     return (u + (mod - u % 8 + 8) % 8) * 16
 
 
-def x_bytes(m: int, chunks: int, bits: int) -> int:
-    """Shared memory for the x rows of ``chunks`` chunks."""
+def x_bytes(m: int, chunks: int, bits: int, wgmma: bool = False, xstages: int = 4) -> int:
+    """Shared memory for the x rows of ``chunks`` chunks; wgmma: two B buffers and ``xstages``
+    staging slots of one chunk each (whole 8-token groups), whatever the K range."""
+    if wgmma:
+        rows = -(-m // 8) * 8
+        return 2 * rows * KPC[bits] * 2 + xstages * rows * (KPC[bits] * 2 + 16)
     return m * x_row_stride(chunks, bits)
 
 
 def plan(m: int, n: int, k: int, bits: int, warps: int, stages: int, sms: int, split: int | None = None,
-         warps_per_sm: int = 16, smem_budget: int = SMEM_BUDGET) -> tuple[int, int, int]:
+         warps_per_sm: int = 16, smem_budget: int = SMEM_BUDGET, wgmma: bool = False) -> tuple[int, int, int]:
     """(CTA columns, split, chunks per split): about ``warps_per_sm`` warps per SM, each streaming
     at least ``stages`` chunks, and the CTA's x slice within ``smem_budget`` bytes."""
     cols = -(-(n // 16) // warps)
     nch = k // KPC[bits]
     if split is None:
         split = max(1, min(round(warps_per_sm * sms / (cols * warps)), nch // stages))
-        while split < nch and x_bytes(m, -(-nch // split), bits) > smem_budget:
+        while not wgmma and split < nch and x_bytes(m, -(-nch // split), bits) > smem_budget:
             split += 1
     cps = -(-nch // split)
     return cols, -(-nch // cps), cps
@@ -242,6 +279,12 @@ class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, padding, 64-byte 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _PDL: dict[int, bool] = {}
+_CAP: dict[int, tuple[int, int]] = {}
+
+
+def wgmma_default(m: int, capability: tuple[int, int]) -> bool:
+    """The wgmma build for WGMMA_MIN_M <= M <= MAX_M on sm_90 (wgmma is Hopper's: sm_90a only)."""
+    return capability[0] == 9 and WGMMA_MIN_M <= m <= MAX_M
 
 
 def _pdl_default(device: torch.device) -> bool:
@@ -283,7 +326,7 @@ def _max_active_clusters(kern, cfg: MmaConfig, smem: int) -> int:
 
 
 def _smem(m: int, cps: int, cfg: MmaConfig) -> int:
-    smem = x_bytes(m, cps, cfg.bits)
+    smem = x_bytes(m, cps, cfg.bits, cfg.wgmma, cfg.xstages)
     if cfg.cluster > 1:  # the partials reuse x's shared memory: [M][warps * 16] fp32
         smem = max(smem, m * cfg.warps * 16 * 4)
     return smem
@@ -323,7 +366,8 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
     if key in _PLANS:
         return _PLANS[key]
     bits, nch, sms = base.bits, k // KPC[base.bits], _sm_count(device)
-    cols, nsplit, cps = plan(m, n, k, bits, base.warps, base.stages, sms, split, warps_per_sm, smem_budget)
+    wg = base.wgmma
+    cols, nsplit, cps = plan(m, n, k, bits, base.warps, base.stages, sms, split, warps_per_sm, smem_budget, wg)
     shrink = m >= CLUSTER_SHRINK_MIN_M
     glob = replace(base, cluster=1)
     if split is None and not shrink:  # one wave
@@ -333,16 +377,16 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
             if per_sm == 0 or cols * nsplit <= per_sm * sms:  # unknown occupancy: keep the split
                 break
             c = -(-nch // (nsplit - 1))
-            if x_bytes(m, c, bits) > smem_budget:
+            if x_bytes(m, c, bits, wg, base.xstages) > smem_budget:
                 break
             cps, nsplit = c, -(-nch // c)
     chosen = None
     if torch.cuda.get_device_capability(idx)[0] >= 9:
-        limit, s = max(smem_budget, x_bytes(m, cps, bits)), nsplit
+        limit, s = max(smem_budget, x_bytes(m, cps, bits, wg, base.xstages)), nsplit
         while 1 < s <= max_cluster:
             c = -(-nch // s)
             s = -(-nch // c)
-            if x_bytes(m, c, bits) > limit:
+            if x_bytes(m, c, bits, wg, base.xstages) > limit:
                 break
             cfg = replace(base, cluster=s)
             smem = _smem(m, c, cfg)
@@ -361,27 +405,40 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
 
 
 def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec: WeightSpec,
-           stages: int | None = None, warps: int = 8, split: int | None = None,
+           stages: int | None = None, warps: int | None = None, split: int | None = None,
            warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET,
-           max_cluster: int = MAX_CLUSTER, pdl: bool | None = None) -> torch.Tensor:
+           max_cluster: int = MAX_CLUSTER, pdl: bool | None = None, wgmma: bool | None = None,
+           xstages: int = 4, minb: int = 1) -> torch.Tensor:
     """x2 [M, K] contiguous bf16 (M <= MAX_M) -> [M, N] bf16. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
-    ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH`; splits up to
+    ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH` (8 warps per CTA), or
+    :data:`WGMMA_LAUNCH` for the wgmma build (default: :func:`wgmma_default`); splits up to
     ``max_cluster`` are reduced in a thread-block cluster (sm_90+), more through global memory
     (:func:`launch_plan`). ``pdl``: programmatic dependent launch (default: sm_90+ unless
-    ``QCOMPILE_PDL=0``)."""
+    ``QCOMPILE_PDL=0``). ``xstages`` / ``minb``: x chunks in flight and CTAs per SM (wgmma)."""
     packed = spec.tiled
     if pdl is None:
         pdl = _pdl_default(x2.device)
+    if wgmma is None:
+        idx = _index(x2.device)
+        if idx not in _CAP:
+            _CAP[idx] = torch.cuda.get_device_capability(idx)
+        wgmma = wgmma_default(x2.shape[0], _CAP[idx])
+    if wgmma:
+        warps, warps_per_sm = warps or WGMMA_LAUNCH["warps"], warps_per_sm or WGMMA_LAUNCH["warps_per_sm"]
+    warps = warps or 8
     d_stages, d_wps = LAUNCH[packed]
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
     m, k = x2.shape
     n = weight.shape[0]
     mt = -(-m // 8)
     smode, group = scale_mode(spec)
+    if wgmma and smode == SMODE_CHUNK:  # no fp32 step per chunk: group scales into the decoded weights
+        smode = SMODE_PRE
     zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
     base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
-                     zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, pdl=pdl)
+                     zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, pdl=pdl,
+                     wgmma=wgmma, xstages=xstages, minb=minb)
     cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm, smem_budget,
                                                      max_cluster)
     gran = spec.scale.granularity

@@ -94,19 +94,36 @@ def test_selection(monkeypatch):
     assert dict(sel.rejected)["wo_mma"] == "needs compute capability >= 8.0, have 7.5"
 
 
+def test_wgmma_selection_and_shared_memory():
+    # the wgmma build: M 17..32 on sm_90 only (Blackwell has no wgmma; sm_80 neither)
+    assert [m for m in range(1, 40) if wo_mma.wgmma_default(m, (9, 0))] == list(range(17, 33))
+    assert not any(wo_mma.wgmma_default(m, cap) for m in (17, 32) for cap in ((8, 0), (10, 0), (12, 0)))
+    # x streams through a fixed ring: its shared memory does not grow with the K range, so the plan
+    # never raises the split to fit it (the mma.sync build's whole-range x needs a split of 7 there)
+    ring = wo_mma.x_bytes(32, 1, 4, wgmma=True)
+    assert ring == 2 * 32 * 256 + 4 * 32 * 272 == wo_mma.x_bytes(32, 64, 4, wgmma=True)
+    assert wo_mma.plan(32, 28672, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16, wgmma=True)[1] == 1
+    assert wo_mma.plan(32, 28672, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16)[1] == 7
+    assert wo_mma.plan(32, 8192, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16, wgmma=True)[1] == 4
+
+
 NVRTC = os.environ.get("QCOMPILE_NVRTC")
 
 
 @pytest.mark.skipif(not NVRTC and not HAS_CUDA, reason="needs an NVRTC library (QCOMPILE_NVRTC) or a GPU")
 @pytest.mark.parametrize("name", MMA_NAMES)
-@pytest.mark.parametrize("mt,cluster,pdl,arch", [(1, 1, True, "90"), (2, 8, False, "90"), (4, 4, True, "90"),
-                                                  (1, 1, True, "80")])
-def test_source_compiles(name, mt, cluster, pdl, arch):
+@pytest.mark.parametrize("mt,cluster,pdl,wgmma,arch", [(1, 1, True, False, "90"), (2, 8, False, False, "90"),
+                                                        (4, 4, True, False, "90"), (1, 1, True, False, "80"),
+                                                        (8, 1, True, True, "90"), (16, 4, True, True, "90")])
+def test_source_compiles(name, mt, cluster, pdl, wgmma, arch):
     spec = SPECS[name]
     smode, group = wo_mma.scale_mode(spec)
+    if wgmma and smode == wo_mma.SMODE_CHUNK:
+        smode = wo_mma.SMODE_PRE
     cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
-                           spec.zero_point, "int", spec.global_scale, True, mt, cluster=cluster, pdl=pdl)
-    cubin = wo_mma.compile_cubin(wo_mma.source(cfg), arch)
+                           spec.zero_point, "int", spec.global_scale, True, mt, warps=8, cluster=cluster, pdl=pdl,
+                           wgmma=wgmma)
+    cubin = wo_mma.compile_cubin(wo_mma.source(cfg), wo_mma.arch_of(cfg, int(arch[0]), int(arch[1])))
     assert cubin[:4] == b"\x7fELF"
 
 
@@ -142,6 +159,39 @@ def test_gpu_mma_matches_reference(name, n, k):
     for i, m in enumerate(GPU_MS):
         case = _gpu_case(name, m, n, k, torch.bfloat16, seed=i)
         _check(torch.ops.qcompile.wo_linear(*op_args(case, "mma")), case, k, f"{name} M={m}")
+
+
+WGMMA_MS = (1, 17, 33, 64, 100, 128)
+
+
+def _sm90() -> bool:
+    return HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (wgmma)")
+@pytest.mark.parametrize("n,k", GPU_NK, ids=str)
+@pytest.mark.parametrize("name", MMA_NAMES)
+def test_gpu_wgmma_matches_reference(name, n, k):
+    """The wgmma build (x streamed per chunk, group scales in bf16 before the MMA), tiled weights,
+    M up to 128, against the same tolerance as the mma.sync build; forced splits through a cluster
+    and through global memory."""
+    spec = SPECS[name]
+    if k % wo_mma.chunk_k(spec) or k % max(spec.scale.group_size, 1):
+        pytest.skip("shape not a multiple of the chunk / group")
+    for i, m in enumerate(WGMMA_MS):
+        case = _gpu_case(name, m, n, k, torch.bfloat16, seed=i)
+        zp = case["weight_zero_point"]
+        if wo_mma.mma_reason(spec, n, k, zp_dtype=None if zp is None else zp.dtype):
+            pytest.skip(wo_mma.mma_reason(spec, n, k, zp_dtype=zp.dtype))
+        sp = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
+        args = (case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"],
+                case["weight_global_scale"], case["weight_zero_point"], case["bias"], sp)
+        for kw in (dict(), (dict(split=3, max_cluster=1), dict(split=4, warps=16), dict(split=1, stages=4))[i % 3]):
+            out = wo_mma.wo_mma(*args, wgmma=True, **kw)
+            _check(out, case, k, f"{name} M={m} wgmma {kw}")
+            if m in (17, 100):
+                assert torch.equal(out, wo_mma.wo_mma(*args, wgmma=True, **kw))
 
 
 @pytest.mark.gpu
@@ -191,7 +241,7 @@ def test_gpu_mma_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("name", ["int4_g128", "nvfp4"])
-@pytest.mark.parametrize("m,max_cluster", [(1, 1), (16, 8), (5, 8)])
+@pytest.mark.parametrize("m,max_cluster", [(1, 1), (16, 8), (5, 8), (24, 8)])
 def test_gpu_mma_pdl_chain(name, m, max_cluster):
     """Each call's input is the previous call's output (back to back, or through another kernel),
     captured in one CUDA graph: with programmatic dependent launch the kernel must still wait for
