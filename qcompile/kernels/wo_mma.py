@@ -40,9 +40,10 @@ MAX_CLUSTER = 8  # splits reduced inside one thread-block cluster (the portable 
 # the one-wave global-memory reduction by up to 3 us (int4) / 8 us (NVFP4) on the H100; at M = 8 the
 # shapes split both ways, so they keep shrinking (docs/kernels-wo.md, v6).
 CLUSTER_SHRINK_MIN_M = 5
-# M range of the wgmma build on sm_90 (x streamed per chunk, warpgroup MMAs): it beat the mma.sync
-# build at M = 32 at both measured shapes and lost at M = 16 at N = K = 8192 (docs/kernels-wo.md, v7).
-WGMMA_MIN_M = 17
+# M range of the wgmma build on sm_90 (x streamed per chunk, warpgroup MMAs): from M = 25 it beat the
+# mma.sync build at every measured shape (int4; NVFP4 at N = K = 8192 within 1 %); at M = 17..24 the
+# shapes split both ways (docs/kernels-wo.md, v7).
+WGMMA_MIN_M = 25
 # wgmma launch: 16 warps (4 warpgroups, 256 rows) per CTA, one CTA per SM, splits for one wave.
 WGMMA_LAUNCH = dict(warps=16, warps_per_sm=16)
 

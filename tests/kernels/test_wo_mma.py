@@ -95,9 +95,9 @@ def test_selection(monkeypatch):
 
 
 def test_wgmma_selection_and_shared_memory():
-    # the wgmma build: M 17..32 on sm_90 only (Blackwell has no wgmma; sm_80 neither)
-    assert [m for m in range(1, 40) if wo_mma.wgmma_default(m, (9, 0))] == list(range(17, 33))
-    assert not any(wo_mma.wgmma_default(m, cap) for m in (17, 32) for cap in ((8, 0), (10, 0), (12, 0)))
+    # the wgmma build: M 25..32 on sm_90 only (Blackwell has no wgmma; sm_80 neither)
+    assert [m for m in range(1, 40) if wo_mma.wgmma_default(m, (9, 0))] == list(range(25, 33))
+    assert not any(wo_mma.wgmma_default(m, cap) for m in (25, 32) for cap in ((8, 0), (10, 0), (12, 0)))
     # x streams through a fixed ring: its shared memory does not grow with the K range, so the plan
     # never raises the split to fit it (the mma.sync build's whole-range x needs a split of 7 there)
     ring = wo_mma.x_bytes(32, 1, 4, wgmma=True)
@@ -241,7 +241,7 @@ def test_gpu_mma_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("name", ["int4_g128", "nvfp4"])
-@pytest.mark.parametrize("m,max_cluster", [(1, 1), (16, 8), (5, 8), (24, 8)])
+@pytest.mark.parametrize("m,max_cluster", [(1, 1), (16, 8), (5, 8), (28, 8)])
 def test_gpu_mma_pdl_chain(name, m, max_cluster):
     """Each call's input is the previous call's output (back to back, or through another kernel),
     captured in one CUDA graph: with programmatic dependent launch the kernel must still wait for
