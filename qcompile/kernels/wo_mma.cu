@@ -24,9 +24,10 @@
 //    n(8 MT) x k16 per step with the decoded weights as A (registers, the same fragments) and x as B
 //    from shared memory (K-major 8 x 16-byte core matrices). x is streamed per chunk: cp.async copies
 //    it XSTAGES chunks ahead into a staging ring (no registers held), and one chunk ahead the CTA
-//    rewrites it from there into one of two B buffers in the order the decoded fragments need, while
-//    the wgmmas of the current chunk run. The CTA's K range needs no x staging up front, so any split
-//    fits. Group scales are multiplied into the decoded weights (no per-chunk fp32 step).
+//    rewrites it from there into one of two B buffers in the order the decoded fragments need, and
+//    each warp decodes the next chunk's weights, while the wgmmas of the current chunk run. The
+//    CTA's K range needs no x staging up front, so any split fits. Group scales are multiplied into
+//    the decoded weights (no per-chunk fp32 step).
 //  * PDL (sm_90, programmatic dependent launch): the first weight chunks are requested before
 //    griddepcontrol.wait, so they overlap the previous kernel's tail; x, the outputs, the partials
 //    and the counters are touched only after it.

@@ -5,7 +5,8 @@ m16n8k16, bf16) fed with weights decoded in registers, from the canonical checkp
 tiled one (quant_math.tile_words), x in shared memory, split-K reduced inside a thread-block cluster
 (sm_90, up to 8 splits whose clusters all fit on the GPU at once) or by the last CTA of each column.
 On sm_90 it is launched with programmatic dependent launch (cuLaunchKernelEx): its first weight
-loads overlap the previous kernel's tail (``QCOMPILE_PDL=0`` turns this off).
+loads overlap the previous kernel's tail (``QCOMPILE_PDL=0`` turns this off). On sm_90, M = 25..32
+runs its wgmma build (warpgroup MMAs, x streamed per chunk; :func:`wgmma_default`).
 
 It is compiled at first use for the running GPU with NVRTC, the runtime compiler that ships with
 PyTorch's CUDA build (no CUDA toolkit, no C++ compiler, no ninja needed), one specialization per
@@ -44,6 +45,7 @@ CLUSTER_SHRINK_MIN_M = 5
 # mma.sync build at every measured shape (int4; NVFP4 at N = K = 8192 within 1 %); at M = 17..24 the
 # shapes split both ways (docs/kernels-wo.md, v7).
 WGMMA_MIN_M = 25
+WGMMA_MAX_M = 128  # 16 token tiles (m64 n128 k16); what wo_mma(..., wgmma=True) accepts
 # wgmma launch: 16 warps (4 warpgroups, 256 rows) per CTA, one CTA per SM, splits for one wave.
 WGMMA_LAUNCH = dict(warps=16, warps_per_sm=16)
 
@@ -420,12 +422,15 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     packed = spec.tiled
     if pdl is None:
         pdl = _pdl_default(x2.device)
+    idx = _index(x2.device)
+    if idx not in _CAP:
+        _CAP[idx] = torch.cuda.get_device_capability(idx)
     if wgmma is None:
-        idx = _index(x2.device)
-        if idx not in _CAP:
-            _CAP[idx] = torch.cuda.get_device_capability(idx)
         wgmma = wgmma_default(x2.shape[0], _CAP[idx])
     if wgmma:
+        if _CAP[idx][0] != 9 or x2.shape[0] > WGMMA_MAX_M:
+            raise ValueError(f"wo_mma: the wgmma build needs an sm_90 GPU and M <= {WGMMA_MAX_M}, "
+                             f"have sm_{_CAP[idx][0]}{_CAP[idx][1]} and M = {x2.shape[0]}")
         warps, warps_per_sm = warps or WGMMA_LAUNCH["warps"], warps_per_sm or WGMMA_LAUNCH["warps_per_sm"]
     warps = warps or 8
     d_stages, d_wps = LAUNCH[packed]
