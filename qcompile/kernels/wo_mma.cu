@@ -163,6 +163,17 @@ __device__ __forceinline__ float scale_f32(const void* s, int i) {
 #endif
 }
 
+// 8 x values in the order the decoded pairs use them: 4-bit pairs are elements (p, p + 4), so the
+// unit becomes (x0,x4) (x1,x5) (x2,x6) (x3,x7); 8-bit pairs are (2p, 2p + 1), already in order.
+__device__ __forceinline__ U4 x_unit_order(const U4 v) {
+#if BITS == 4
+  return U4{{prmt(v.v[0], v.v[2], 0x5410u), prmt(v.v[0], v.v[2], 0x7632u), prmt(v.v[1], v.v[3], 0x5410u),
+             prmt(v.v[1], v.v[3], 0x7632u)}};
+#else
+  return v;
+#endif
+}
+
 // Decoded pair p of a word: bf16x2 holding elements (p, p + 4) for 4-bit, (2p, 2p + 1) for 8-bit
 // (p = 0..1). `zz` is the pair to add (minus the code offset and zero point), `sc` the pre-scale.
 template <int P>
@@ -226,12 +237,8 @@ __device__ __forceinline__ void x_transform(u32 slot, u32 buf, int M) {
       U4 w[4];
 #pragma unroll
       for (int qq = 0; qq < 4; qq++) {
-        U4 v = m < M ? ld_shared(slot + m * XROW + qq * KPL * 2 + u * 16) : U4{{0u, 0u, 0u, 0u}};
-#if BITS == 4  // units as (x0,x4) (x1,x5) (x2,x6) (x3,x7): pair e is decode<e>'s
-        v = U4{{prmt(v.v[0], v.v[2], 0x5410u), prmt(v.v[0], v.v[2], 0x7632u), prmt(v.v[1], v.v[3], 0x5410u),
-                prmt(v.v[1], v.v[3], 0x7632u)}};
-#endif
-        w[qq] = v;
+        const U4 v = m < M ? ld_shared(slot + m * XROW + qq * KPL * 2 + u * 16) : U4{{0u, 0u, 0u, 0u}};
+        w[qq] = x_unit_order(v);  // pair e is decode<e>'s
       }
 #pragma unroll
       for (int e = 0; e < 4; e++)
@@ -429,11 +436,7 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
     const u32 base = smem_addr(xs);
     for (int i = threadIdx.x; i < M * (ks / 8); i += WARPS * 32) {
       const int m = i / (ks / 8), gu = i - m * (ks / 8);
-      U4 v = *(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8);
-#if BITS == 4
-      v = U4{{prmt(v.v[0], v.v[2], 0x5410u), prmt(v.v[0], v.v[2], 0x7632u), prmt(v.v[1], v.v[3], 0x5410u),
-              prmt(v.v[1], v.v[3], 0x7632u)}};
-#endif
+      const U4 v = x_unit_order(*(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8));
       const int wu = gu % upc, qq = wu / UNITS;
       const u32 off = (gu / upc) * X_CS + X_SEG(qq) + (wu % UNITS) * 16;
       asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(base + m * rs + off),

@@ -90,14 +90,15 @@ def chunk_k(spec: WeightSpec) -> int:
     return KPC[spec.dtype.bits]
 
 
-def scale_mode(spec: WeightSpec) -> tuple[int, int]:
+def scale_mode(spec: WeightSpec, wgmma: bool = False) -> tuple[int, int]:
     """(scale mode, group): row scales in the epilogue; groups that cover a chunk after each
-    chunk's MMA; smaller groups multiplied into the decoded weights."""
+    chunk's MMA (the wgmma build has no per-chunk fp32 step: multiplied into the decoded weights,
+    like smaller groups)."""
     gran = spec.scale.granularity
     if gran in (Granularity.TENSOR, Granularity.CHANNEL):
         return SMODE_END, 0
     g = spec.scale.group_size
-    return (SMODE_CHUNK if g >= chunk_k(spec) else SMODE_PRE), g
+    return (SMODE_CHUNK if g >= chunk_k(spec) and not wgmma else SMODE_PRE), g
 
 
 def mma_reason(spec: WeightSpec, n: int, k: int, x_dtype: torch.dtype = torch.bfloat16,
@@ -206,7 +207,7 @@ def _kernel(cfg: MmaConfig, device: torch.device):
     if key not in _KERNELS:
         from torch.cuda._utils import _cuda_load_module
 
-        major, minor = torch.cuda.get_device_capability(idx)
+        major, minor = _capability(idx)
         with torch.cuda.device(idx):
             cubin = compile_cubin(source(cfg), arch_of(cfg, major, minor))
             _KERNELS[key] = _cuda_load_module(cubin, ["wo_mma"])["wo_mma"]
@@ -285,6 +286,12 @@ _PDL: dict[int, bool] = {}
 _CAP: dict[int, tuple[int, int]] = {}
 
 
+def _capability(idx: int) -> tuple[int, int]:
+    if idx not in _CAP:
+        _CAP[idx] = torch.cuda.get_device_capability(idx)
+    return _CAP[idx]
+
+
 def wgmma_default(m: int, capability: tuple[int, int]) -> bool:
     """The wgmma build for WGMMA_MIN_M <= M <= MAX_M on sm_90 (wgmma is Hopper's: sm_90a only)."""
     return capability[0] == 9 and WGMMA_MIN_M <= m <= MAX_M
@@ -294,7 +301,7 @@ def _pdl_default(device: torch.device) -> bool:
     """Programmatic dependent launch: sm_90+ (griddepcontrol), unless QCOMPILE_PDL=0."""
     idx = _index(device)
     if idx not in _PDL:
-        _PDL[idx] = (torch.cuda.get_device_capability(idx)[0] >= 9
+        _PDL[idx] = (_capability(idx)[0] >= 9
                      and os.environ.get("QCOMPILE_PDL", "1") != "0")
     return _PDL[idx]
 
@@ -384,7 +391,7 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
                 break
             cps, nsplit = c, -(-nch // c)
     chosen = None
-    if torch.cuda.get_device_capability(idx)[0] >= 9:
+    if _capability(idx)[0] >= 9:
         limit, s = max(smem_budget, x_bytes(m, cps, bits, wg, base.xstages)), nsplit
         while 1 < s <= max_cluster:
             c = -(-nch // s)
@@ -422,15 +429,13 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     packed = spec.tiled
     if pdl is None:
         pdl = _pdl_default(x2.device)
-    idx = _index(x2.device)
-    if idx not in _CAP:
-        _CAP[idx] = torch.cuda.get_device_capability(idx)
+    cap = _capability(_index(x2.device))
     if wgmma is None:
-        wgmma = wgmma_default(x2.shape[0], _CAP[idx])
+        wgmma = wgmma_default(x2.shape[0], cap)
     if wgmma:
-        if _CAP[idx][0] != 9 or x2.shape[0] > WGMMA_MAX_M:
+        if cap[0] != 9 or x2.shape[0] > WGMMA_MAX_M:
             raise ValueError(f"wo_mma: the wgmma build needs an sm_90 GPU and M <= {WGMMA_MAX_M}, "
-                             f"have sm_{_CAP[idx][0]}{_CAP[idx][1]} and M = {x2.shape[0]}")
+                             f"have sm_{cap[0]}{cap[1]} and M = {x2.shape[0]}")
         warps, warps_per_sm = warps or WGMMA_LAUNCH["warps"], warps_per_sm or WGMMA_LAUNCH["warps_per_sm"]
     warps = warps or 8
     d_stages, d_wps = LAUNCH[packed]
@@ -438,9 +443,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     m, k = x2.shape
     n = weight.shape[0]
     mt = -(-m // 8)
-    smode, group = scale_mode(spec)
-    if wgmma and smode == SMODE_CHUNK:  # no fp32 step per chunk: group scales into the decoded weights
-        smode = SMODE_PRE
+    smode, group = scale_mode(spec, wgmma)
     zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
     base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
                      zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, pdl=pdl,

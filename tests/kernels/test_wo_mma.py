@@ -52,6 +52,7 @@ def test_scale_modes():
     assert wo_mma.scale_mode(_spec("nvfp4")) == (wo_mma.SMODE_PRE, 16)
     assert wo_mma.scale_mode(_spec("int8_g128")) == (wo_mma.SMODE_CHUNK, 128)
     assert wo_mma.scale_mode(_spec("mxfp8")) == (wo_mma.SMODE_PRE, 32)
+    assert wo_mma.scale_mode(_spec("int4_g128"), wgmma=True) == (wo_mma.SMODE_PRE, 128)
 
 
 @pytest.mark.parametrize("m,n,k,bits", [(1, 8192, 8192, 4), (16, 8192, 8192, 4), (32, 28672, 8192, 4),
@@ -117,9 +118,7 @@ NVRTC = os.environ.get("QCOMPILE_NVRTC")
                                                         (8, 1, True, True, "90"), (16, 4, True, True, "90")])
 def test_source_compiles(name, mt, cluster, pdl, wgmma, arch):
     spec = SPECS[name]
-    smode, group = wo_mma.scale_mode(spec)
-    if wgmma and smode == wo_mma.SMODE_CHUNK:
-        smode = wo_mma.SMODE_PRE
+    smode, group = wo_mma.scale_mode(spec, wgmma)
     cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
                            spec.zero_point, "int", spec.global_scale, True, mt, warps=8, cluster=cluster, pdl=pdl,
                            wgmma=wgmma)
