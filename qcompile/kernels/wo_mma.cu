@@ -362,11 +362,12 @@ __device__ __forceinline__ int cluster_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return (int)r;
 }
-__device__ __forceinline__ float ld_dsmem(u32 addr, int rank) {  // `addr` in CTA `rank` of the cluster
+__device__ __forceinline__ float4 ld_dsmem4(u32 addr, int rank) {  // `addr` in CTA `rank` of the cluster
   u32 a;
-  float v;
+  float4 v;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(a) : "memory");
   return v;
 }
 
@@ -413,6 +414,12 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
       ra[i] = ld_stream(wa + (size_t)(c0 + i) * CH_STRIDE);
       rb[i] = ld_stream(wb + (size_t)(c0 + i) * CH_STRIDE);
     }
+  // the first chunks' scales and zero points (like the weights, not written by the previous kernel)
+#if WGMMA
+  ChunkConsts kc[2];  // chunk j's in kc[(j - c0) % 2], loaded a chunk before its decode
+  kc[0] = chunk_consts(c0, q, sra, srb, s, zp);
+  if (c0 + 1 < c1) kc[1] = chunk_consts(c0 + 1, q, sra, srb, s, zp);
+#endif
 
 #if PDL && __CUDA_ARCH__ >= 900
   // launched with programmatic stream serialization: the weight loads above may overlap the
@@ -464,9 +471,6 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
   // Two barriers per chunk: B(ch) complete before its wgmmas; every warpgroup's wgmmas of ch - 1 done
   // before their B buffer and fragments are overwritten.
   u32 af[2][KPC / 16][4];
-  ChunkConsts kc[2];  // chunk j's in kc[(j - c0) % 2], loaded a chunk before its decode
-  kc[0] = chunk_consts(c0, q, sra, srb, s, zp);
-  if (c0 + 1 < c1) kc[1] = chunk_consts(c0 + 1, q, sra, srb, s, zp);
   decode_chunk(ra[0], rb[0], kc[0], [&](int k16, u32 a0, u32 a1, u32 a2, u32 a3) {
     af[0][k16][0] = a0; af[0][k16][1] = a1; af[0][k16][2] = a2; af[0][k16][3] = a3;
   });
@@ -618,24 +622,31 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
       }
   }
   cluster_sync();
-  {
+  {  // 4 consecutive outputs of one token per thread and step (NR and N are multiples of 16)
     const u32 rbase = smem_addr(xs);
-    const int total = M * NR, per = (total + CLUSTER - 1) / CLUSTER, j0 = cluster_rank() * per;
+    const int total = M * NR / 4, per = (total + CLUSTER - 1) / CLUSTER, j0 = cluster_rank() * per;
     const int j1 = min(j0 + per, total);
     for (int j = j0 + threadIdx.x; j < j1; j += WARPS * 32) {
-      const int tok = j / NR, n = blockIdx.x * NR + j % NR;
+      const int tok = 4 * j / NR, n = blockIdx.x * NR + 4 * j % NR;
       if (n < N) {
-        float p[CLUSTER];
+        float4 p[CLUSTER];
 #pragma unroll
-        for (int c = 0; c < CLUSTER; c++) p[c] = ld_dsmem(rbase + 4 * j, c);
-        float v = 0.f;
+        for (int c = 0; c < CLUSTER; c++) p[c] = ld_dsmem4(rbase + 16 * j, c);
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int c = 0; c < CLUSTER; c++) v += p[c];
-        v *= g;
+        for (int c = 0; c < CLUSTER; c++) {
+          v[0] += p[c].x; v[1] += p[c].y; v[2] += p[c].z; v[3] += p[c].w;
+        }
+        u16 o[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          v[i] *= g;
 #if HAS_BIAS
-        v += bf16_to_f32(bias[n]);
+          v[i] += bf16_to_f32(bias[n + i]);
 #endif
-        out[(size_t)tok * N + n] = f32_to_bf16(v);
+          o[i] = f32_to_bf16(v[i]);
+        }
+        *(uint2*)(out + (size_t)tok * N + n) = make_uint2(o[0] | ((u32)o[1] << 16), o[2] | ((u32)o[3] << 16));
       }
     }
   }
