@@ -5,8 +5,9 @@ m16n8k16, bf16) fed with weights decoded in registers, from the canonical checkp
 tiled one (quant_math.tile_words), x in shared memory, split-K reduced inside a thread-block cluster
 (sm_90, up to 8 splits whose clusters all fit on the GPU at once) or by the last CTA of each column.
 On sm_90 it is launched with programmatic dependent launch (cuLaunchKernelEx): its first weight
-loads overlap the previous kernel's tail (``QCOMPILE_PDL=0`` turns this off). On sm_90, M = 25..32
-runs its wgmma build (warpgroup MMAs, x streamed per chunk; :func:`wgmma_default`).
+loads overlap the previous kernel's tail (``QCOMPILE_PDL=0`` turns this off). On sm_90, M = 25..128
+(25..96 for int4 weights, :func:`max_m`) runs its wgmma build (warpgroup MMAs, x streamed per chunk;
+:func:`wgmma_default`); elsewhere the mma.sync build runs M <= 32.
 
 It is compiled at first use for the running GPU with NVRTC, the runtime compiler that ships with
 PyTorch's CUDA build (no CUDA toolkit, no C++ compiler, no ninja needed), one specialization per
@@ -46,8 +47,29 @@ CLUSTER_SHRINK_MIN_M = 5
 # shapes split both ways (docs/kernels-wo.md, v7).
 WGMMA_MIN_M = 25
 WGMMA_MAX_M = 128  # 16 token tiles (m64 n128 k16); what wo_mma(..., wgmma=True) accepts
-# wgmma launch: 16 warps (4 warpgroups, 256 rows) per CTA, one CTA per SM, splits for one wave.
-WGMMA_LAUNCH = dict(warps=16, warps_per_sm=16)
+# Largest M the mma backend runs through this kernel on sm_90 for int4 weights (the others: up to
+# WGMMA_MAX_M). Above M = 32 the wgmma build beat the Triton kernel / dequant + F.linear by 1.1-4x for
+# e2m1, MX, fp8 and int8 weights up to M = 128; for int4 it won or tied up to M = 96 (by 1.3x at
+# M = 80, 96 with wgmma_launch) and lost at M = 128 on 2 of 4 shapes (docs/kernels-wo.md, v8).
+# Elsewhere the mma.sync build runs M <= MAX_M.
+SM90_MAX_M_INT4 = 96
+
+
+def max_m(spec: WeightSpec, capability: tuple[int, int]) -> int:
+    """Largest M that the mma backend gives this kernel on a GPU of ``capability``."""
+    if capability[0] != 9:
+        return MAX_M
+    return SM90_MAX_M_INT4 if spec.dtype is QDtype.INT4 else WGMMA_MAX_M
+
+
+def wgmma_launch(bits: int, m: int) -> tuple[int, int]:
+    """(warps per CTA, warps per SM) of the wgmma build: 16 warps (4 warpgroups, 256 rows), one CTA
+    per SM; for 4-bit weights above M = 64, where 16 warps spill, 8 warps (1.1-1.5x faster at
+    M = 96..128 on the H100, docs/kernels-wo.md, v8). 8-bit weights were faster with 16 warps at most
+    measured shapes and M."""
+    if bits == 4 and m > 64:
+        return 8, 8
+    return 16, 16
 
 
 @dataclass(frozen=True)
@@ -103,7 +125,7 @@ def scale_mode(spec: WeightSpec, wgmma: bool = False) -> tuple[int, int]:
 
 def mma_reason(spec: WeightSpec, n: int, k: int, x_dtype: torch.dtype = torch.bfloat16,
                zp_dtype: torch.dtype | None = None) -> str | None:
-    """None when the kernel runs this weight for bf16 x (any M <= MAX_M), else why not."""
+    """None when the kernel runs this weight for bf16 x (any M <= :func:`max_m`), else why not."""
     if (spec.dtype, spec.packing) not in FMT:
         return f"{spec.dtype.value} weights packed as {spec.packing.value}"
     if x_dtype != torch.bfloat16:
@@ -292,9 +314,14 @@ def _capability(idx: int) -> tuple[int, int]:
     return _CAP[idx]
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of ``device`` (queried once per process)."""
+    return _capability(_index(device))
+
+
 def wgmma_default(m: int, capability: tuple[int, int]) -> bool:
-    """The wgmma build for WGMMA_MIN_M <= M <= MAX_M on sm_90 (wgmma is Hopper's: sm_90a only)."""
-    return capability[0] == 9 and WGMMA_MIN_M <= m <= MAX_M
+    """The wgmma build from M = WGMMA_MIN_M on sm_90 (wgmma is Hopper's: sm_90a only)."""
+    return capability[0] == 9 and m >= WGMMA_MIN_M
 
 
 def _pdl_default(device: torch.device) -> bool:
@@ -419,10 +446,10 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
            warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET,
            max_cluster: int = MAX_CLUSTER, pdl: bool | None = None, wgmma: bool | None = None,
            xstages: int = 4, minb: int = 1) -> torch.Tensor:
-    """x2 [M, K] contiguous bf16 (M <= MAX_M) -> [M, N] bf16. Checks are the caller's
+    """x2 [M, K] contiguous bf16 (M <= :func:`max_m`) -> [M, N] bf16. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH` (8 warps per CTA), or
-    :data:`WGMMA_LAUNCH` for the wgmma build (default: :func:`wgmma_default`); splits up to
+    :func:`wgmma_launch` for the wgmma build (default: :func:`wgmma_default`); splits up to
     ``max_cluster`` are reduced in a thread-block cluster (sm_90+), more through global memory
     (:func:`launch_plan`). ``pdl``: programmatic dependent launch (default: sm_90+ unless
     ``QCOMPILE_PDL=0``). ``xstages`` / ``minb``: x chunks in flight and CTAs per SM (wgmma)."""
@@ -436,7 +463,10 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
         if cap[0] != 9 or x2.shape[0] > WGMMA_MAX_M:
             raise ValueError(f"wo_mma: the wgmma build needs an sm_90 GPU and M <= {WGMMA_MAX_M}, "
                              f"have sm_{cap[0]}{cap[1]} and M = {x2.shape[0]}")
-        warps, warps_per_sm = warps or WGMMA_LAUNCH["warps"], warps_per_sm or WGMMA_LAUNCH["warps_per_sm"]
+        d_warps, d_wps = wgmma_launch(spec.dtype.bits, x2.shape[0])
+        warps, warps_per_sm = warps or d_warps, warps_per_sm or d_wps
+    elif x2.shape[0] > MAX_M:
+        raise ValueError(f"wo_mma: the mma.sync build takes M <= {MAX_M}, have M = {x2.shape[0]}")
     warps = warps or 8
     d_stages, d_wps = LAUNCH[packed]
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps

@@ -2,7 +2,7 @@
 
 CPU: what it accepts, how it splits the work, that the source compiles for sm_90 when an NVRTC
 library is at hand (QCOMPILE_NVRTC), and selection with the capability mocked. GPU (-m gpu): every
-format against the fp32 reference on fresh data, M = 1..32, shapes with idle warps and uneven
+format against the fp32 reference on fresh data, M = 1..128, shapes with idle warps and uneven
 splits, forced split counts (cluster and global-memory reductions), determinism and CUDA-graph
 capture.
 """
@@ -96,9 +96,16 @@ def test_selection(monkeypatch):
 
 
 def test_wgmma_selection_and_shared_memory():
-    # the wgmma build: M 25..32 on sm_90 only (Blackwell has no wgmma; sm_80 neither)
-    assert [m for m in range(1, 40) if wo_mma.wgmma_default(m, (9, 0))] == list(range(25, 33))
-    assert not any(wo_mma.wgmma_default(m, cap) for m in (25, 32) for cap in ((8, 0), (10, 0), (12, 0)))
+    # the wgmma build: M >= 25 on sm_90 only (Blackwell has no wgmma; sm_80 neither), up to M = 128
+    # (int4: 96, above it the Triton kernel won); elsewhere the mma.sync build up to M = 32
+    assert [m for m in range(1, 40) if wo_mma.wgmma_default(m, (9, 0))] == list(range(25, 40))
+    assert not any(wo_mma.wgmma_default(m, cap) for m in (25, 32, 64) for cap in ((8, 0), (10, 0), (12, 0)))
+    assert {name: wo_mma.max_m(SPECS[name], (9, 0)) for name in ("int4_g128", "int8_channel_packed", "nvfp4")} \
+        == {"int4_g128": 96, "int8_channel_packed": 128, "nvfp4": 128}
+    assert {wo_mma.max_m(SPECS[name], cap) for name in MMA_NAMES for cap in ((8, 0), (10, 0), (12, 0))} == {32}
+    # launch: 16 warps, one CTA per SM; 8 for 4-bit weights above M = 64 (16 spilled there)
+    assert [wo_mma.wgmma_launch(4, m) for m in (25, 64, 65, 128)] == [(16, 16), (16, 16), (8, 8), (8, 8)]
+    assert {wo_mma.wgmma_launch(8, m) for m in (25, 56, 64, 96, 128)} == {(16, 16)}
     # x streams through a fixed ring: its shared memory does not grow with the K range, so the plan
     # never raises the split to fit it (the mma.sync build's whole-range x needs a split of 7 there)
     ring = wo_mma.x_bytes(32, 1, 4, wgmma=True)
@@ -128,7 +135,7 @@ def test_source_compiles(name, mt, cluster, pdl, wgmma, arch):
 
 # -- GPU ------------------------------------------------------------------------------------------
 
-GPU_MS = (1, 3, 8, 9, 16, 17, 32)
+GPU_MS = (1, 3, 8, 9, 16, 17, 32, 96, 128)  # on sm_90 96 and 128 run the wgmma build (int4 at 128: Triton)
 GPU_NK = ((4096, 4096), (4112, 4224), (8192, 8192))
 
 
@@ -160,7 +167,7 @@ def test_gpu_mma_matches_reference(name, n, k):
         _check(torch.ops.qcompile.wo_linear(*op_args(case, "mma")), case, k, f"{name} M={m}")
 
 
-WGMMA_MS = (1, 17, 33, 64, 100, 128)
+WGMMA_MS = (1, 17, 33, 56, 64, 100, 128)
 
 
 def _sm90() -> bool:
