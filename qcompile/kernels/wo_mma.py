@@ -238,17 +238,25 @@ def _kernel(cfg: MmaConfig, device: torch.device):
 
 # -- launch ----------------------------------------------------------------------------------------
 
-_COUNTERS: dict[int, torch.Tensor] = {}
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 _SMS: dict[int, int] = {}
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per CTA column; each launch leaves them zero again."""
-    idx = _index(device)
-    t = _COUNTERS.get(idx)
+    """Zeroed int32 counters, one per CTA column; each launch leaves them zero again.
+
+    One buffer per (device, stream): launches on two streams may run at the same time and must not
+    count each other's CTAs. While a CUDA graph is being captured a buffer that does not exist yet
+    would be zeroed only when the graph replays, so the call gets its own (the zeroing is captured
+    with it) instead of caching one. Graphs captured on one stream and replayed at the same time on
+    two streams still share their buffer (docs/kernels-wo.md, v8)."""
+    stream = torch.cuda.current_stream(device)
+    key = (_index(device), stream.cuda_stream)
+    t = _COUNTERS.get(key)
     if t is None or t.numel() < n:
-        t = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[idx] = t
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(n, dtype=torch.int32, device=device)
+        t = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return t
 
 

@@ -226,6 +226,39 @@ def test_gpu_mma_forced_splits_and_determinism(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_mma_global_split_on_two_streams():
+    """Split-K reduced through global memory (max_cluster=1) on two streams at once: each stream
+    counts its own CTAs, so both give their serial results bit for bit. Both streams wait behind a
+    sleep kernel while the calls are queued, so their launches do run concurrently (with one
+    counter buffer per device this test failed)."""
+    n = k = 4096
+    cases = [_gpu_case("int4_g128", 1, n, k, torch.bfloat16, seed=s) for s in (21, 22)]
+    spec = wg.parse_scheme_key(cases[0]["scheme"]).weight
+
+    def call(c):
+        return wo_mma.wo_mma(c["x"], c["weight"], c["weight_scale"], c["weight_global_scale"],
+                             c["weight_zero_point"], c["bias"], spec, split=8, max_cluster=1)
+
+    want = [call(c) for c in cases]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for s in streams:
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(50_000_000)  # ~25 ms: both queues fill before either runs
+    outs = [[], []]
+    for _ in range(100):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                outs[i].append(call(cases[i]))
+    torch.cuda.synchronize()
+    for i in range(2):
+        _check(want[i], cases[i], k, f"stream {i}")
+        assert all(torch.equal(o, want[i]) for o in outs[i]), f"stream {i}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_mma_cuda_graph():
     case = _gpu_case("nvfp4", 4, 4096, 4096, torch.bfloat16, seed=5)
     fn = lambda: torch.ops.qcompile.wo_linear(*op_args(case, "mma"))  # noqa: E731
