@@ -25,7 +25,8 @@ from torch import nn
 from .errors import CheckpointError, UnsupportedError
 from .kernels import quant_math
 from .kernels.reference import linear_ref, reference_supports  # noqa: F401  (registers the op)
-from .scheme import Granularity, LayerQuant, Packing, QDtype, ScaleDtype, canonical_shape, parse_scheme_key, shape_matches
+from .scheme import (Granularity, LayerQuant, Packing, QDtype, ScaleDtype, canonical_shape, disk_shape, parse_scheme_key,
+                     shape_matches)
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.int32, torch.int64)
@@ -99,23 +100,25 @@ class QuantLinear(nn.Module):
                     f"tensor {full!r} ({spec.role}) is missing from the checkpoint", where=name,
                     fix=f"the {lq.source} scheme {lq.scheme.key} stores {[t.name for t in lq.tensors if not t.optional]} "
                         "for every quantized layer; re-export the checkpoint or exclude this layer in the config")
-            disk_dtype, disk_shape = header[full]
-            ok_dtypes = allowed_dtypes(spec.role, lq)
+            disk_dtype, stored = header[full]
+            ok_dtypes = (torch.int32,) if spec.packed_rows else allowed_dtypes(spec.role, lq)
             if disk_dtype not in ok_dtypes:
                 raise CheckpointError(
                     f"tensor {full!r} has dtype {disk_dtype}, expected one of {list(ok_dtypes)}", where=name,
                     fix=f"the config says {lq.scheme.key}; the checkpoint and its config disagree")
-            want = canonical_shape(spec.role, lq.scheme, n, k)
-            if not shape_matches(disk_shape, want):
+            want = disk_shape(spec, lq.scheme, n, k)
+            if not shape_matches(stored, want):
+                packed = f" ({32 // lq.scheme.weight.dtype.bits} codes per int32 along out_features)" \
+                    if spec.packed_rows else ""
                 raise CheckpointError(
-                    f"tensor {full!r} has shape {list(disk_shape)}, expected {list(want)} for a [{n}, {k}] "
+                    f"tensor {full!r} has shape {list(stored)}, expected {list(want)}{packed} for a [{n}, {k}] "
                     f"layer under {lq.scheme.key}", where=name,
                     fix="the checkpoint does not match the model config or the quantization config")
             # Scales are kept in fp32; everything else as stored.
             keep = torch.float32 if disk_dtype in FLOATS and spec.role != "weight" else disk_dtype
             if lq.online and spec.role == "weight":
                 keep = disk_dtype
-            setattr(mod, spec.name, _param(torch.empty(disk_shape, dtype=keep, device="meta")))
+            setattr(mod, spec.name, _param(torch.empty(stored, dtype=keep, device="meta")))
             mod._disk_names[spec.role] = spec.name
         return mod
 
@@ -155,6 +158,10 @@ class QuantLinear(nn.Module):
                 raise CheckpointError(f"tensor {self.name}.{spec.name} was not loaded", where=self.name,
                                       fix="the checkpoint index lists it but no shard held it; check the shards")
             delattr(self, attr)
+            if spec.packed_rows:
+                bits = lq.scheme.weight.dtype.bits
+                t = quant_math.unpack_int32(t.reshape(disk_shape(spec, lq.scheme, n, k)).t(), bits, n).t()
+                t = t.to(torch.int8)
             t = t.reshape(canonical_shape(spec.role, lq.scheme, n, k))
             if spec.role == "weight_shape":  # compressed-tensors' record of the unpacked shape
                 if t.tolist() != [n, k]:

@@ -172,12 +172,16 @@ ROLES = (
 @dataclass(frozen=True)
 class TensorSpec:
     """One checkpoint tensor of a layer: its canonical role and its name on disk (the suffix after
-    the module name). ``reciprocal``: the file stores 1/x of the canonical value."""
+    the module name). ``reciprocal``: the file stores 1/x of the canonical value. ``packed_rows``: the
+    file stores int codes packed along dim 0 (out_features) like the weight's own words, 32/bits per
+    int32 with offset 2^(bits-1), code i of a column at bits bits*(i % (32/bits)) of word i // (32/bits)
+    (compressed-tensors' asymmetric pack-quantized zero points); unpacked at load."""
 
     role: str
     name: str
     reciprocal: bool = False
     optional: bool = False
+    packed_rows: bool = False
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -223,6 +227,16 @@ def canonical_shape(role: str, scheme: QuantScheme, n: int, k: int) -> tuple[int
     if role == "weight_shape":
         return (2,)
     raise AssertionError(f"unknown role {role!r}")
+
+
+def disk_shape(spec: TensorSpec, scheme: QuantScheme, n: int, k: int) -> tuple[int, ...]:
+    """Shape of ``spec``'s tensor in the checkpoint: the canonical one, or for ``packed_rows`` its rows
+    packed 32/bits per int32 (a per-channel [N] tensor is stored [N, 1] before packing)."""
+    shape = canonical_shape(spec.role, scheme, n, k)
+    if not spec.packed_rows:
+        return shape
+    per = 32 // scheme.weight.dtype.bits
+    return (math.ceil(n / per), *(shape[1:] if len(shape) == 2 else (1,)))
 
 
 def squeezed(shape) -> tuple[int, ...]:
@@ -318,6 +332,6 @@ def mx_act(dtype: QDtype) -> ActSpec:
 __all__ = [
     "QDtype", "ScaleDtype", "Granularity", "Packing", "ScaleSpec", "WeightSpec", "ActSpec",
     "QuantScheme", "TensorSpec", "LayerQuant", "KVCacheSpec", "ROLES", "canonical_shape",
-    "shape_matches", "parse_scheme_key", "fp8_scheme", "NVFP4_WEIGHT", "NVFP4_ACT", "MXFP4_WEIGHT",
+    "shape_matches", "disk_shape", "parse_scheme_key", "fp8_scheme", "NVFP4_WEIGHT", "NVFP4_ACT", "MXFP4_WEIGHT",
     "MXFP8_WEIGHT", "mx_act", "field",
 ]

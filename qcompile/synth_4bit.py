@@ -24,7 +24,11 @@ from the same bf16 weights (tests/test_synth_4bit.py). What each producer does, 
 * **compressed-tensors pack-quantized int** (``calculate_qparams``, ``pack_to_int32``): symmetric
   ``scale = bf16(amax / ((qmax - qmin) / 2))`` (amax / 7.5 for int4, / 127.5 for int8),
   ``q = round(clamp(bf16(w / scale), qmin, qmax))`` (ties to even, so -7.5 -> -8), ``q + 2^(bits-1)``
-  packed 32/bits per int32, element j at bits·j.
+  packed 32/bits per int32, element j at bits·j. Asymmetric (``W4A16_ASYM``): the group's range
+  widened to hold 0, ``scale = bf16((max - min) / (qmax - qmin))``, an int8 zero point ``round(clamp(qmin
+  - min / scale))``, ``q = round(clamp(bf16(w / scale) + zp))``; the zero points are packed like the
+  codes but along out_features. No producer file of this format is in shared/testdata: the packing
+  was checked against compressed-tensors 0.19's ``pack_to_int32(zp, 4, packed_dim=0)`` when written.
 
 e2m1 rounding is round-to-nearest-even in every producer (ModelOpt's searchsorted bounds, compressed-
 tensors' threshold ladder and Quark's ``half_even``): :func:`e2m1_codes`.
@@ -39,7 +43,7 @@ import torch
 from .kernels.quant_math import pack_e2m1, pack_int32
 
 FORMATS = ("modelopt-nvfp4", "modelopt-w4a16-nvfp4", "modelopt-mixed", "ct-nvfp4", "ct-nvfp4a16", "ct-w4a16",
-           "ct-w8a16", "ct-mxfp4", "quark-mxfp4")
+           "ct-w4a16-asym", "ct-w8a16", "ct-mxfp4", "quark-mxfp4")
 
 FP4_MAX, E4M3_MAX = 6.0, 448.0
 NVFP4_GROUP, MX_GROUP = 16, 32
@@ -129,17 +133,30 @@ def mxfp4(w: torch.Tensor, signed_zero: bool) -> tuple[torch.Tensor, torch.Tenso
     return pack_e2m1(codes), (exp + 127).to(torch.uint8)
 
 
-def ct_int(w: torch.Tensor, bits: int, group: int | None) -> dict:
-    """compressed-tensors pack-quantized symmetric int; ``group=None``: one scale per row (channel)."""
+def ct_int(w: torch.Tensor, bits: int, group: int | None, symmetric: bool = True) -> dict:
+    """compressed-tensors pack-quantized int; ``group=None``: one scale per row (channel). Asymmetric
+    (W4A16_ASYM): ``scale = (max' - min') / (qmax - qmin)`` over the range widened to hold 0, ``zp =
+    round(clamp(qmin - min' / scale, qmin, qmax))`` int8, ``q = round(clamp(bf16(w / scale) + zp))``; the
+    zero points are packed like the codes but along out_features (``pack_to_int32(zp, packed_dim=0)``)."""
     n, k = w.shape
     g = group or k
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     groups = w.view(n, k // g, g)
-    scale = groups.abs().amax(-1, keepdim=True) / torch.tensor((qmax - qmin) / 2, dtype=w.dtype)
+    if symmetric:
+        scale = groups.abs().amax(-1, keepdim=True) / torch.tensor((qmax - qmin) / 2, dtype=w.dtype)
+    else:
+        lo = torch.clamp(groups.amin(-1, keepdim=True), max=0)
+        hi = torch.clamp(groups.amax(-1, keepdim=True), min=0)
+        scale = (hi - lo) / torch.tensor(qmax - qmin, dtype=w.dtype)
+        zp = torch.round(torch.clamp(qmin - lo / scale, qmin, qmax)).to(torch.int8)
     scale = torch.where(scale == 0, torch.finfo(w.dtype).eps, scale)
-    q = torch.round(torch.clamp(groups / scale, qmin, qmax)).to(torch.int8).view(n, k)
-    return {"weight_packed": pack_int32(q, bits), "weight_scale": scale.view(n, k // g).contiguous(),
-            "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    scaled = groups / scale if symmetric else groups / scale + zp.to(w.dtype)
+    q = torch.round(torch.clamp(scaled, qmin, qmax)).to(torch.int8).view(n, k)
+    out = {"weight_packed": pack_int32(q, bits), "weight_scale": scale.view(n, k // g).contiguous(),
+           "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    if not symmetric:
+        out["weight_zero_point"] = pack_int32(zp.view(n, k // g).t().contiguous(), bits).t().contiguous()
+    return out
 
 
 # -- the whole state dict ------------------------------------------------------------------------
@@ -159,8 +176,8 @@ def quantize_state(fmt: str, state: dict, amax: dict[str, float]) -> dict:
             t = modelopt_fp8(w, x_amax[n]) if _leaf(n) in MIXED_FP8_LEAVES else modelopt_nvfp4(w, w_amax[n], x_amax[n])
         elif fmt in ("ct-nvfp4", "ct-nvfp4a16"):
             t = ct_nvfp4(w, w_amax[n], x_amax[n] if fmt == "ct-nvfp4" else None)
-        elif fmt in ("ct-w4a16", "ct-w8a16"):
-            t = ct_int(w, 4, 128) if fmt == "ct-w4a16" else ct_int(w, 8, None)
+        elif fmt in ("ct-w4a16", "ct-w4a16-asym", "ct-w8a16"):
+            t = ct_int(w, 8, None) if fmt == "ct-w8a16" else ct_int(w, 4, 128, symmetric=fmt == "ct-w4a16")
         elif fmt in ("ct-mxfp4", "quark-mxfp4"):
             packed, scale = mxfp4(w, signed_zero=fmt == "ct-mxfp4")
             t = {"weight_packed" if fmt == "ct-mxfp4" else "weight": packed, "weight_scale": scale}
@@ -222,11 +239,11 @@ def _modelopt_configs(fmt: str, names: list[str]) -> dict:
 
 
 def _ct_args(type_: str, bits: int, strategy: str, group: int | None = None, dynamic=False,
-             observer: str | None = "memoryless_minmax", scale_dtype: str | None = None) -> dict:
+             observer: str | None = "memoryless_minmax", scale_dtype: str | None = None, symmetric=True) -> dict:
     """compressed-tensors 0.19's serialized QuantizationArgs (keys sorted, zp_dtype null when symmetric)."""
     return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": group, "num_bits": bits,
             "observer": observer, "observer_kwargs": {}, "scale_dtype": scale_dtype, "strategy": strategy,
-            "symmetric": True, "type": type_, "zp_dtype": None}
+            "symmetric": symmetric, "type": type_, "zp_dtype": None if symmetric else "torch.int8"}
 
 
 def _ct_config(fmt: str) -> dict:
@@ -238,6 +255,7 @@ def _ct_config(fmt: str) -> dict:
                      _ct_args("float", 4, "tensor_group", NVFP4_GROUP, "local", "static_minmax", fp8)),
         "ct-nvfp4a16": ("nvfp4-pack-quantized", nvfp4_w, None),
         "ct-w4a16": ("pack-quantized", _ct_args("int", 4, "group", 128), None),
+        "ct-w4a16-asym": ("pack-quantized", _ct_args("int", 4, "group", 128, symmetric=False), None),
         "ct-w8a16": ("pack-quantized", _ct_args("int", 8, "channel"), None),
         "ct-mxfp4": ("mxfp4-pack-quantized", mxfp4_w, _ct_args("float", 4, "group", MX_GROUP, True, None, u8)),
     }[fmt]

@@ -57,7 +57,7 @@ def test_fp8_checkpoint_on_gpu(source, synth_ckpt, testdata):
     assert rel(compiled, ref) < 0.15  # vs the dequantized bf16 reference (no activation quantization)
 
 
-@pytest.mark.parametrize("source", ["synth:ct-w4a16", "synth:ct-w8a16", "synth:modelopt-w4a16-nvfp4",
+@pytest.mark.parametrize("source", ["synth:ct-w4a16", "synth:ct-w4a16-asym", "synth:ct-w8a16", "synth:modelopt-w4a16-nvfp4",
                                     "synth:modelopt-nvfp4", "synth:quark-mxfp4", "synth:modelopt-mixed",
                                     "data:llmcompressor-w4a16-gptq-dense", "data:modelopt-nvfp4-dense"])
 def test_weight_only_checkpoint_on_gpu(source, synth_ckpt, testdata):

@@ -64,6 +64,12 @@ CASES = {
                                  CheckpointError, f"{Q}.weight_scale"),
     "block scale mis-shaped": ("ct-fp8-block", {f"{Q}.weight_scale": lambda t: t.repeat(1, 2)}, None, (),
                                CheckpointError, f"{Q}.weight_scale"),
+    "asymmetric int4 zero points stored unpacked": (
+        "ct-w4a16-asym", {f"{Q}.weight_zero_point": lambda t: torch.zeros(256, 2, dtype=torch.int32)}, None, (),
+        CheckpointError, "8 codes per int32 along out_features"),
+    "asymmetric int4 zero points stored int8": (
+        "ct-w4a16-asym", {f"{Q}.weight_zero_point": lambda t: t.to(torch.int8)}, None, (), CheckpointError,
+        f"{Q}.weight_zero_point"),
     "per-tensor scale given per channel": ("modelopt-fp8", {f"{Q}.weight_scale": torch.ones(256)}, None, (),
                                            CheckpointError, "expected []"),
     "weight stored bf16 in a quantized layer": ("modelopt-fp8", {f"{Q}.weight": lambda t: t.to(torch.bfloat16)}, None,

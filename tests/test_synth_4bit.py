@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import qcompile
 from qcompile import synth, synth_4bit
-from qcompile.kernels.quant_math import E2M1_VALUES, round_to_e2m1
+from qcompile.kernels.quant_math import E2M1_VALUES, pack_int32, round_to_e2m1, unpack_int32
 from qcompile.linear import QuantLinear, dequantize_model
 
 NVFP4 = "w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global"
@@ -30,6 +30,7 @@ EXPECTED = {
     "ct-nvfp4": (NVFP4, NVFP4, U8, FP8_T),
     "ct-nvfp4a16": (NVFP4_A16, NVFP4_A16, U8, FP8_T),
     "ct-w4a16": ("w=int4/group128/pack=int32;a=none",) * 2 + (I32, F32),  # bf16 scales widened at load
+    "ct-w4a16-asym": ("w=int4/group128/pack=int32/zp;a=none",) * 2 + (I32, F32),
     "ct-w8a16": ("w=int8/channel/pack=int32;a=none",) * 2 + (I32, F32),
     "ct-mxfp4": ("w=fp4_e2m1/group32:e8m0/pack=uint8;a=fp4_e2m1/dynamic/group32:e8m0",) * 2 + (U8, U8),
     "quark-mxfp4": ("w=fp4_e2m1/group32:e8m0/pack=uint8;a=none",) * 2 + (U8, U8),
@@ -133,6 +134,12 @@ def expected_layout(fmt, testdata) -> dict:
     if fmt == "ct-mxfp4":  # compressed-tensors' MXFP4 is Quark's byte layout under weight_packed
         return {(k[:-len("weight")] + "weight_packed" if "proj.weight" in k and k.endswith(".weight") else k): v
                 for k, v in hdr("quark-w-mxfp4-dense").items()}
+    if fmt == "ct-w4a16-asym":  # + the int8 zero points packed 8 per int32 along out_features
+        out = dict(hdr("llmcompressor-w4a16-gptq-dense"))
+        for k, (dt, shape) in list(out.items()):
+            if k.endswith(".weight_scale"):
+                out[k[:-len("scale")] + "zero_point"] = (torch.int32, (-(-shape[0] // 8), shape[1]))
+        return out
     if fmt == "ct-w8a16":  # int4 group 128 -> int8 channel: 4 codes per int32, one bf16 scale per row
         out = {}
         for k, (dt, shape) in hdr("llmcompressor-w4a16-gptq-dense").items():
@@ -182,9 +189,30 @@ def test_configs_like_producers(synth_ckpt, testdata):
     ct = qconfig(testdata / "llmcompressor-nvfp4-dense")
     ct["config_groups"]["group_0"]["input_activations"] = None
     assert qconfig(synth_ckpt("ct-nvfp4a16")) == ct
+    # W4A16_ASYM: the GPTQ file's config (RTN: no actorder) with symmetric false and int8 zero points
+    ct = qconfig(testdata / "llmcompressor-w4a16-gptq-dense")
+    ct["config_groups"]["group_0"]["weights"] |= {"actorder": None, "symmetric": False, "zp_dtype": "torch.int8"}
+    assert qconfig(synth_ckpt("ct-w4a16-asym")) == ct
     # other compressed-tensors formats: the same keys everywhere
     for fmt, like in (("ct-w8a16", "llmcompressor-w4a16-gptq-dense"), ("ct-mxfp4", "llmcompressor-nvfp4-dense")):
         assert keys_tree(qconfig(synth_ckpt(fmt))) == keys_tree(qconfig(testdata / like)), fmt
+
+
+def test_asym_zero_points_packed_along_out_features(loaded, synth_ckpt):
+    """W4A16_ASYM: word r of column c holds the zero points of rows 8r..8r+7, row 8r+i at bits 4i
+    with +8 (compressed-tensors' pack_to_int32(zp, 4, packed_dim=0)); loaded as int8 [N, K/128]."""
+    name = "model.layers.0.mlp.down_proj"
+    raw = load_file(str(synth_ckpt("ct-w4a16-asym") / "model.safetensors"))[f"{name}.weight_zero_point"]
+    zp = quant_layers(loaded("ct-w4a16-asym"))[name].weight_zero_point
+    assert raw.dtype == I32 and zp.dtype == torch.int8 and zp.shape == (raw.shape[0] * 8, raw.shape[1])
+    rows = torch.arange(zp.shape[0])
+    want = (raw[rows // 8] >> (4 * (rows % 8)).unsqueeze(1)) & 15
+    assert torch.equal(zp.int() + 8, want) and zp.min() >= -8 and zp.max() <= 7 and len(zp.unique()) > 4
+    # a partial last word: 20 rows (0..7, -8..-1, 0..3) -> 3 words, the 4 unused nibbles 0
+    codes = torch.arange(-8, 12).remainder(16).sub(8).to(torch.int8).view(20, 1)
+    words = pack_int32(codes.t(), 4).t()
+    assert words.shape == (3, 1) and words[:, 0].tolist() == [0xFEDCBA98 - 2**32, 0x76543210, 0xBA98]
+    assert torch.equal(unpack_int32(words.t(), 4, 20).t().to(torch.int8), codes)
 
 
 def test_mixed_precision_config(synth_ckpt):

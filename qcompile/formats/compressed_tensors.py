@@ -28,7 +28,10 @@ naive- / int- / float-quantized    ``weight`` (fp8, or int8 holding int8 / int4 
                                    when asymmetric, ``weight_g_idx`` for actorder "group"
 pack-quantized                     ``weight_packed`` int32 (32/bits codes, code + 2^(bits-1)),
                                    ``weight_scale``, ``weight_shape`` int64 [2], ``weight_g_idx``
-                                   (actorder "group" only; "static" / "weight" store none)
+                                   (actorder "group" only; "static" / "weight" store none);
+                                   asymmetric: ``weight_zero_point`` int32 [ceil(N*bits/32), K/g or 1],
+                                   the int8 zero points packed the same way along out_features
+                                   (``pack_to_int32(zp, bits, packed_dim=0)``), unpacked at load
 nvfp4-pack-quantized               ``weight_packed`` uint8, ``weight_scale`` fp8 [N, K/16],
                                    ``weight_global_scale`` and, for W4A4, ``input_global_scale``:
                                    both *reciprocal* (W = q * s / global) and inverted at load
@@ -38,9 +41,8 @@ mxfp8-quantized                    ``weight`` fp8, ``weight_scale`` uint8 e8m0 [
 =================================  ===============================================================
 
 Static per-tensor activations add ``input_scale``. ``kv_cache_scheme`` -> ``self_attn.k_scale`` /
-``v_scale``. Refused as not representable: asymmetric pack-quantized weights (zero points packed
-along out_features), asymmetric floats, output activations, 2/3/5/6/7-bit ints, sparse or transformed
-checkpoints and ``quantization_status`` other than ``compressed``.
+``v_scale``. Refused as not representable: asymmetric floats, output activations, 2/3/5/6/7-bit ints,
+sparse or transformed checkpoints and ``quantization_status`` other than ``compressed``.
 """
 
 from __future__ import annotations
@@ -330,8 +332,8 @@ def _weight(a: Args, fmt: str, group_where: str) -> tuple[WeightSpec, tuple[Tens
          "supported here", f"this format stores {scale_dtype.value} scales", UnsupportedError)
     need(a.strategy != "tensor_group" or fmt == "nvfp4-pack-quantized", f"{a.where}.strategy",
          "tensor_group weights are NVFP4 only", "use nvfp4-pack-quantized fp4 weights, group_size 16", UnsupportedError)
-    need(a.symmetric or (a.dtype.value.startswith("int") and packing is Packing.NONE), f"{a.where}.symmetric",
-         "asymmetric weights are supported for unpacked int only (pack-quantized packs its zero points)",
+    need(a.symmetric or a.dtype.value.startswith("int"), f"{a.where}.symmetric",
+         f"asymmetric {a.dtype.value} weights are not supported (zero points are for int weights)",
          "use symmetric quantization", UnsupportedError)
     need(not a.actorder or a.strategy == "group", f"{a.where}.actorder", 'actorder "group" needs strategy group',
          'set actorder to "static" or null')
@@ -341,7 +343,9 @@ def _weight(a: Args, fmt: str, group_where: str) -> tuple[WeightSpec, tuple[Tens
     weight = WeightSpec(a.dtype, scale, packing, global_scale=a.strategy == "tensor_group",
                         zero_point=not a.symmetric, act_order=a.actorder == "group")
     optional = [(weight.global_scale, TensorSpec("weight_global_scale", "weight_global_scale", reciprocal=True)),
-                (weight.zero_point, TensorSpec("weight_zero_point", "weight_zero_point")),
+                # pack-quantized packs group / channel zero points along out_features (a tensor one is int8)
+                (weight.zero_point, TensorSpec("weight_zero_point", "weight_zero_point", packed_rows=packing is
+                                               Packing.INT32 and a.strategy in ("group", "channel"))),
                 (weight.act_order, TensorSpec("weight_g_idx", "weight_g_idx")),
                 (packing is Packing.INT32, TensorSpec("weight_shape", "weight_shape"))]
     return weight, (TensorSpec("weight", name), TensorSpec("weight_scale", "weight_scale"),

@@ -78,9 +78,11 @@ def unpack_int32(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
 
 
 def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`unpack_int32`: signed codes [N, K] -> [N, K*bits/32] int32."""
+    """Inverse of :func:`unpack_int32`: signed codes [N, K] -> [N, ceil(K*bits/32)] int32; the bits of a
+    last partial word past K are 0 (as compressed-tensors' ``pack_to_int32`` leaves them)."""
     per = 32 // bits
-    u = (codes.to(torch.int64) + (1 << (bits - 1))).reshape(codes.shape[0], -1, per)
+    u = codes.to(torch.int64) + (1 << (bits - 1))
+    u = torch.nn.functional.pad(u, (0, -codes.shape[1] % per)).reshape(codes.shape[0], -1, per)
     shifts = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
     words = (u << shifts).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

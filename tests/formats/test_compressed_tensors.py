@@ -172,6 +172,15 @@ SCHEMES = {
     "wna16_actorder_weight": (ct({**INT4_G128, "actorder": "weight"}, fmt="pack-quantized"),
                               QuantScheme(wspec(QDtype.INT4, G.GROUP, Packing.INT32, group_size=128)),
                               ["weight_packed", "weight_scale", "weight_shape"]),
+    "wna16_int4_asym_group": (ct({**INT4_G128, "symmetric": False}, fmt="pack-quantized"),
+                              QuantScheme(wspec(QDtype.INT4, G.GROUP, Packing.INT32, group_size=128, zero_point=True)),
+                              ["weight_packed", "weight_scale", "weight_zero_point", "weight_shape"]),
+    "wna16_int8_asym_channel": (ct(qargs(8, "int", "channel", symmetric=False), fmt="pack-quantized"),
+                                QuantScheme(wspec(QDtype.INT8, G.CHANNEL, Packing.INT32, zero_point=True)),
+                                ["weight_packed", "weight_scale", "weight_zero_point", "weight_shape"]),
+    "wna16_int4_asym_tensor": (ct(qargs(4, "int", "tensor", symmetric=False), fmt="pack-quantized"),
+                               QuantScheme(wspec(QDtype.INT4, G.TENSOR, Packing.INT32, zero_point=True)),
+                               ["weight_packed", "weight_scale", "weight_zero_point", "weight_shape"]),
     "w8a8_int8_asym_weight": (ct(qargs(8, "int", "channel", symmetric=False), INT8_TOKEN, "int-quantized"),
                               QuantScheme(wspec(QDtype.INT8, G.CHANNEL, zero_point=True),
                                           ActSpec(QDtype.INT8, True, ScaleSpec(G.TOKEN))),
@@ -207,6 +216,9 @@ def test_schemes(case):
     assert [t.name for t in lq.tensors] == tensor_names
     reciprocal = {t.name for t in lq.tensors if t.reciprocal}
     assert reciprocal == {"weight_global_scale", "input_global_scale"} & set(tensor_names)
+    # pack-quantized packs group / channel zero points along out_features; a tensor one stays int8
+    packed_zp = case.startswith("wna16") and "asym" in case and "tensor" not in case
+    assert {t.name for t in lq.tensors if t.packed_rows} == ({"weight_zero_point"} if packed_zp else set())
 
 
 def test_inferred_strategy_and_group_format():
@@ -381,7 +393,8 @@ MALFORMED = [
     (edit("kv_cache_scheme", qargs(strategy="attn_head")), UnsupportedError, "kv_cache_scheme.strategy"),
     (edit("kv_cache_scheme", qargs(dynamic=True)), UnsupportedError, "kv_cache_scheme"),
     (edit("config_groups", {"W4A16": ["Linear"]}), UnsupportedError, "config_groups.W4A16"),
-    (edit(f"{G0}.weights.symmetric", False, base=ct(INT4_G128, fmt="pack-quantized")), UnsupportedError,
+    (edit(f"{G0}.weights.symmetric", False, base=ct(qargs(4, strategy="group", group_size=32),
+                                                fmt="mxfp4-pack-quantized")), UnsupportedError,
      f"{G0}.weights.symmetric"),
     (edit(f"{G0}.input_activations.dynamic", True, base=ct(NVFP4_W, NVFP4_A, "nvfp4-pack-quantized")),
      UnsupportedError, f"{G0}.input_activations"),

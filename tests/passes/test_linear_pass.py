@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 
@@ -11,6 +12,7 @@ from expecttest import assert_expected_inline
 
 import qcompile
 from qcompile import synth
+from qcompile.linear import dequantize_model
 
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64]])
 
@@ -250,6 +252,32 @@ def test_compressed_tensors_w4a16_lowers_to_the_weight_only_op(one_layer):
 +wo_linear_default_5 = torch.ops.qcompile.wo_linear.default(x = hidden_states_6, weight = model.layers.0.mlp.up_proj.weight, weight_scale = model.layers.0.mlp.up_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
 +wo_linear_default_6 = torch.ops.qcompile.wo_linear.default(x = mul_11, weight = model.layers.0.mlp.down_proj.weight, weight_scale = model.layers.0.mlp.down_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')""")
     assert {r.kernel for r in be.rows} == {"wo_dequant"}  # on CUDA: wo_triton
+
+
+def test_compressed_tensors_w4a16_asym_passes_its_zero_points(one_layer):
+    """W4A16_ASYM: the zero points unpacked at load reach the weight-only op; compiled output equals
+    the dequantized bf16 model's up to rounding."""
+    model = qcompile.load(str(one_layer("ct-w4a16-asym")))
+    with torch.no_grad():
+        want = dequantize_model(copy.deepcopy(model))(IDS).logits
+    out, diff, be = compile_and_diff(model)
+    assert_expected_inline(diff, """\
+-linear_ref = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, model.layers.0.self_attn.q_proj.weight_zero_point, None, None, None, None, 'w=int4/group128/pack=int32/zp;a=none')
+-linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, None, model.layers.0.self_attn.k_proj.weight_zero_point, None, None, None, None, 'w=int4/group128/pack=int32/zp;a=none')
+-linear_ref_2 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.v_proj.weight, model.layers.0.self_attn.v_proj.weight_scale, None, model.layers.0.self_attn.v_proj.weight_zero_point, None, None, None, None, 'w=int4/group128/pack=int32/zp;a=none')
+-attn_output_4 = torch.ops.qcompile.linear_ref(attn_output_3, model.layers.0.self_attn.o_proj.weight, model.layers.0.self_attn.o_proj.weight_scale, None, model.layers.0.self_attn.o_proj.weight_zero_point, None, None, None, None, 'w=int4/group128/pack=int32/zp;a=none')
+-linear_ref_4 = torch.ops.qcompile.linear_ref(hidden_states_6, model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.gate_proj.weight_scale, None, model.layers.0.mlp.gate_proj.weight_zero_point, None, None, None, None, 'w=int4/group128/pack=int32/zp;a=none')
+-linear_ref_5 = torch.ops.qcompile.linear_ref(hidden_states_6, model.layers.0.mlp.up_proj.weight, model.layers.0.mlp.up_proj.weight_scale, None, model.layers.0.mlp.up_proj.weight_zero_point, None, None, None, None, 'w=int4/group128/pack=int32/zp;a=none')
+-down_proj = torch.ops.qcompile.linear_ref(mul_11, model.layers.0.mlp.down_proj.weight, model.layers.0.mlp.down_proj.weight_scale, None, model.layers.0.mlp.down_proj.weight_zero_point, None, None, None, None, 'w=int4/group128/pack=int32/zp;a=none')
++wo_linear_default = torch.ops.qcompile.wo_linear.default(x = hidden_states_2, weight = model.layers.0.self_attn.q_proj.weight, weight_scale = model.layers.0.self_attn.q_proj.weight_scale, weight_global_scale = None, weight_zero_point = model.layers.0.self_attn.q_proj.weight_zero_point, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32/zp;a=none', backend = 'dequant')
++wo_linear_default_1 = torch.ops.qcompile.wo_linear.default(x = hidden_states_2, weight = model.layers.0.self_attn.k_proj.weight, weight_scale = model.layers.0.self_attn.k_proj.weight_scale, weight_global_scale = None, weight_zero_point = model.layers.0.self_attn.k_proj.weight_zero_point, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32/zp;a=none', backend = 'dequant')
++wo_linear_default_2 = torch.ops.qcompile.wo_linear.default(x = hidden_states_2, weight = model.layers.0.self_attn.v_proj.weight, weight_scale = model.layers.0.self_attn.v_proj.weight_scale, weight_global_scale = None, weight_zero_point = model.layers.0.self_attn.v_proj.weight_zero_point, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32/zp;a=none', backend = 'dequant')
++wo_linear_default_3 = torch.ops.qcompile.wo_linear.default(x = attn_output_3, weight = model.layers.0.self_attn.o_proj.weight, weight_scale = model.layers.0.self_attn.o_proj.weight_scale, weight_global_scale = None, weight_zero_point = model.layers.0.self_attn.o_proj.weight_zero_point, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32/zp;a=none', backend = 'dequant')
++wo_linear_default_4 = torch.ops.qcompile.wo_linear.default(x = hidden_states_6, weight = model.layers.0.mlp.gate_proj.weight, weight_scale = model.layers.0.mlp.gate_proj.weight_scale, weight_global_scale = None, weight_zero_point = model.layers.0.mlp.gate_proj.weight_zero_point, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32/zp;a=none', backend = 'dequant')
++wo_linear_default_5 = torch.ops.qcompile.wo_linear.default(x = hidden_states_6, weight = model.layers.0.mlp.up_proj.weight, weight_scale = model.layers.0.mlp.up_proj.weight_scale, weight_global_scale = None, weight_zero_point = model.layers.0.mlp.up_proj.weight_zero_point, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32/zp;a=none', backend = 'dequant')
++wo_linear_default_6 = torch.ops.qcompile.wo_linear.default(x = mul_11, weight = model.layers.0.mlp.down_proj.weight, weight_scale = model.layers.0.mlp.down_proj.weight_scale, weight_global_scale = None, weight_zero_point = model.layers.0.mlp.down_proj.weight_zero_point, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32/zp;a=none', backend = 'dequant')""")
+    assert {r.kernel for r in be.rows} == {"wo_dequant"}
+    assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
 
 
 def test_nvfp4_w4a4_stays_faithful_off_cuda(one_layer):
