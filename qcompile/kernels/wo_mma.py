@@ -238,26 +238,45 @@ def _kernel(cfg: MmaConfig, device: torch.device):
 
 # -- launch ----------------------------------------------------------------------------------------
 
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_COUNTERS: dict[tuple[int, int], tuple[ctypes.c_void_p, int]] = {}  # (device, stream) -> (pointer, ints)
 _SMS: dict[int, int] = {}
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
+def _counters(device: torch.device, n: int) -> torch.Tensor | ctypes.c_void_p:
     """Zeroed int32 counters, one per CTA column; each launch leaves them zero again.
 
     One buffer per (device, stream): launches on two streams may run at the same time and must not
-    count each other's CTAs. While a CUDA graph is being captured a buffer that does not exist yet
-    would be zeroed only when the graph replays, so the call gets its own (the zeroing is captured
-    with it) instead of caching one. Graphs captured on one stream and replayed at the same time on
-    two streams still share their buffer (docs/kernels-wo.md, v8)."""
-    stream = torch.cuda.current_stream(device)
-    key = (_index(device), stream.cuda_stream)
-    t = _COUNTERS.get(key)
-    if t is None or t.numel() < n:
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(n, dtype=torch.int32, device=device)
-        t = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return t
+    count each other's CTAs. Cached buffers come from cuMemAlloc, outside PyTorch's caching
+    allocator: while torch.compile's cudagraph trees warm up, every allocation of the thread goes to
+    the graphs' memory pool, which must not keep a tensor that outlives its graphs. While a graph is
+    being captured a new buffer would be zeroed only when the graph replays, so the call gets its own
+    tensor (its zeroing is captured with it). Graphs captured on one stream and replayed at the same
+    time on two streams still share their buffer (docs/kernels-wo.md, v8)."""
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    idx = _index(device)
+    key = (idx, torch.cuda.current_stream(device).cuda_stream)
+    have = _COUNTERS.get(key)
+    if have is not None and have[1] >= n:
+        return have[0]
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    size = max(n, 16384)
+    lib, ptr = _get_gpu_runtime_library(), ctypes.c_void_p()
+
+    def check(code: int, what: str) -> None:
+        if code != 0:
+            raise RuntimeError(f"wo_mma: {what} failed with CUresult {code} (split-K counters, {4 * size} bytes)")
+
+    with torch.cuda.device(idx):
+        torch.cuda.synchronize(idx)  # a replaced buffer may still be in use
+        check(lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(4 * size)), "cuMemAlloc")
+        check(lib.cuMemsetD32_v2(ptr, ctypes.c_uint(0), ctypes.c_size_t(size)), "cuMemsetD32")
+        check(lib.cuCtxSynchronize(), "cuCtxSynchronize")
+        if have is not None:
+            check(lib.cuMemFree_v2(have[0]), "cuMemFree")
+    _COUNTERS[key] = (ptr, size)
+    return ptr
 
 
 def _sm_count(device: torch.device) -> int:
@@ -345,10 +364,11 @@ def _launch(kern, grid, block, smem: int, pdl: bool, args: list) -> None:
     """cuLaunchKernelEx on the current stream of the first tensor's device. With ``pdl`` the launch
     may begin while the previous kernel of the stream finishes (programmatic stream serialization);
     the kernel waits for it (griddepcontrol.wait) before it reads x or writes anything, so only its
-    weight loads overlap. Tensors are passed as pointers, ints as int32."""
+    weight loads overlap. Tensors (and ctypes pointers) are passed as pointers, ints as int32."""
     from torch.cuda._utils import _get_gpu_runtime_library
 
-    held = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
+    held = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else a if isinstance(a, ctypes.c_void_p)
+            else ctypes.c_int(a) for a in args]
     ptrs = (ctypes.c_void_p * len(held))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in held])
     attr = _LaunchAttr(_PROGRAMMATIC_STREAM_SERIALIZATION, 0, (ctypes.c_int * 16)(1))
     stream = torch.cuda.current_stream(args[0].device)
