@@ -1,8 +1,12 @@
-"""The 4-bit (and pack-quantized int8) writers behind :func:`qcompile.synth.write_checkpoint`.
+"""The 4-bit (and pack-quantized int8, MXFP8) writers behind :func:`qcompile.synth.write_checkpoint`.
 
 Each function reproduces its producer's arithmetic, checked bit for bit against
-``shared/testdata/checkpoints`` (made from ``base-bf16-dense``): same codes, scales and global scales
-from the same bf16 weights (tests/test_synth_4bit.py). What each producer does, from its source:
+``shared/testdata/checkpoints`` (made from ``base-bf16-dense``) where a producer file exists: same
+codes, scales and global scales from the same bf16 weights (tests/test_synth_4bit.py). Formats with no
+producer file there (``ct-w4a16-asym``, ``modelopt-mxfp8``) follow the producer's source, named below.
+What each producer does, from its source:
+
+* **ModelOpt 0.47 MXFP8**: see :func:`modelopt_mxfp8`.
 
 * **ModelOpt 0.47 NVFP4** (``NVFP4QTensor``): ``weight_scale_2 = amax / (6 * 448)`` in fp32, one amax
   shared by the fused q/k/v and gate/up (``preprocess_linear_fusion``); per 16 elements ``weight_scale
@@ -43,7 +47,7 @@ import torch
 from .kernels.quant_math import pack_e2m1, pack_int32
 
 FORMATS = ("modelopt-nvfp4", "modelopt-w4a16-nvfp4", "modelopt-mixed", "ct-nvfp4", "ct-nvfp4a16", "ct-w4a16",
-           "ct-w4a16-asym", "ct-w8a16", "ct-mxfp4", "quark-mxfp4")
+           "ct-w4a16-asym", "ct-w8a16", "ct-mxfp4", "quark-mxfp4", "modelopt-mxfp8")
 
 FP4_MAX, E4M3_MAX = 6.0, 448.0
 NVFP4_GROUP, MX_GROUP = 16, 32
@@ -133,6 +137,19 @@ def mxfp4(w: torch.Tensor, signed_zero: bool) -> tuple[torch.Tensor, torch.Tenso
     return pack_e2m1(codes), (exp + 127).to(torch.uint8)
 
 
+def modelopt_mxfp8(w: torch.Tensor) -> dict:
+    """ModelOpt 0.47 MXFP8 (``MXFP8QTensor``): per 32 elements ``e = clamp(ceil(log2(amax / 448)), -127,
+    127)`` (-127 for an all-zero block), ``weight_scale = e + 127`` (uint8 e8m0), ``weight = fp8(clamp(w *
+    2^-e, -448, 448))`` computed in fp32; no input scale (activations are quantized per call)."""
+    n, k = w.shape
+    blocks = w.view(n, k // MX_GROUP, MX_GROUP)
+    descale = blocks.abs().amax(-1).float() / E4M3_MAX
+    exp = torch.where(descale > 0, torch.log2(descale), torch.tensor(-127.0)).ceil().clamp(-127, 127)
+    scale = (exp + 127).to(torch.uint8)
+    q = torch.clamp(blocks * torch.exp2(127 - scale.float()).unsqueeze(-1), -E4M3_MAX, E4M3_MAX)
+    return {"weight": q.to(torch.float8_e4m3fn).view(n, k), "weight_scale": scale}
+
+
 def ct_int(w: torch.Tensor, bits: int, group: int | None, symmetric: bool = True) -> dict:
     """compressed-tensors pack-quantized int; ``group=None``: one scale per row (channel). Asymmetric
     (W4A16_ASYM): ``scale = (max' - min') / (qmax - qmin)`` over the range widened to hold 0, ``zp =
@@ -172,6 +189,8 @@ def quantize_state(fmt: str, state: dict, amax: dict[str, float]) -> dict:
         w = state.pop(f"{n}.weight")
         if fmt in ("modelopt-nvfp4", "modelopt-w4a16-nvfp4"):
             t = modelopt_nvfp4(w, w_amax[n], x_amax[n] if fmt == "modelopt-nvfp4" else None)
+        elif fmt == "modelopt-mxfp8":
+            t = modelopt_mxfp8(w)
         elif fmt == "modelopt-mixed":
             t = modelopt_fp8(w, x_amax[n]) if _leaf(n) in MIXED_FP8_LEAVES else modelopt_nvfp4(w, w_amax[n], x_amax[n])
         elif fmt in ("ct-nvfp4", "ct-nvfp4a16"):
@@ -212,6 +231,9 @@ def _modelopt_group(algo: str) -> dict:
     if algo == "FP8":
         return {"input_activations": {"dynamic": False, "num_bits": 8, "type": "float"},
                 "weights": {"dynamic": False, "num_bits": 8, "type": "float"}}
+    if algo == "MXFP8":  # "dynamic": False as ModelOpt writes it, though MXFP8 activations are per call
+        mx = {"dynamic": False, "num_bits": 8, "type": "float", "group_size": MX_GROUP}
+        return {"input_activations": dict(mx), "weights": dict(mx)}
     fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP}
     return {"weights": dict(fp4)} if algo == "W4A16_NVFP4" else {"input_activations": dict(fp4), "weights": dict(fp4)}
 
@@ -229,12 +251,12 @@ def _modelopt_configs(fmt: str, names: list[str]) -> dict:
                   "producer": MODELOPT_PRODUCER, "quant_method": "modelopt"}
         legacy = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "quantized_layers": layers}
         return {"config": config, "hf_quant_config": {"producer": MODELOPT_PRODUCER, "quantization": legacy}}
-    algo = "NVFP4" if fmt == "modelopt-nvfp4" else "W4A16_NVFP4"
+    algo = {"modelopt-nvfp4": "NVFP4", "modelopt-w4a16-nvfp4": "W4A16_NVFP4", "modelopt-mxfp8": "MXFP8"}[fmt]
     config = {"config_groups": {"group_0": dict(_modelopt_group(algo), targets=["Linear"])},
               "ignore": list(MODELOPT_EXCLUDE), "quant_algo": algo, "producer": MODELOPT_PRODUCER,
               "quant_method": "modelopt"}
-    legacy = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": NVFP4_GROUP,
-              "exclude_modules": list(MODELOPT_EXCLUDE)}
+    legacy = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": MX_GROUP if algo == "MXFP8" else
+              NVFP4_GROUP, "exclude_modules": list(MODELOPT_EXCLUDE)}
     return {"config": config, "hf_quant_config": {"producer": MODELOPT_PRODUCER, "quantization": legacy}}
 
 

@@ -58,7 +58,7 @@ def test_fp8_checkpoint_on_gpu(source, synth_ckpt, testdata):
 
 
 @pytest.mark.parametrize("source", ["synth:ct-w4a16", "synth:ct-w4a16-asym", "synth:ct-w8a16", "synth:modelopt-w4a16-nvfp4",
-                                    "synth:modelopt-nvfp4", "synth:quark-mxfp4", "synth:modelopt-mixed",
+                                    "synth:modelopt-nvfp4", "synth:quark-mxfp4", "synth:modelopt-mixed", "synth:modelopt-mxfp8",
                                     "data:llmcompressor-w4a16-gptq-dense", "data:modelopt-nvfp4-dense"])
 def test_weight_only_checkpoint_on_gpu(source, synth_ckpt, testdata):
     kind, name = source.split(":")

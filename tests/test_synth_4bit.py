@@ -34,9 +34,11 @@ EXPECTED = {
     "ct-w8a16": ("w=int8/channel/pack=int32;a=none",) * 2 + (I32, F32),
     "ct-mxfp4": ("w=fp4_e2m1/group32:e8m0/pack=uint8;a=fp4_e2m1/dynamic/group32:e8m0",) * 2 + (U8, U8),
     "quark-mxfp4": ("w=fp4_e2m1/group32:e8m0/pack=uint8;a=none",) * 2 + (U8, U8),
+    "modelopt-mxfp8": ("w=fp8_e4m3/group32:e8m0;a=fp8_e4m3/dynamic/group32:e8m0",) * 2 + (FP8_T, U8),
 }
 # Per-weight ||W_deq - W|| / ||W|| on the synthetic model (seed 0), observed: NVFP4 0.095 (both
-# producers), MXFP4 0.113, int4 group-128 0.111, int8 channel 0.008, FP8 per tensor (mixed) 0.017.
+# producers), MXFP4 0.113, int4 group-128 0.111, int8 channel 0.008, FP8 per tensor (mixed) 0.017,
+# MXFP8 0.026-0.027.
 MAX_ERR = {4: 0.15, 8: 0.03}
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64]])
 
@@ -134,6 +136,15 @@ def expected_layout(fmt, testdata) -> dict:
     if fmt == "ct-mxfp4":  # compressed-tensors' MXFP4 is Quark's byte layout under weight_packed
         return {(k[:-len("weight")] + "weight_packed" if "proj.weight" in k and k.endswith(".weight") else k): v
                 for k, v in hdr("quark-w-mxfp4-dense").items()}
+    if fmt == "modelopt-mxfp8":  # ModelOpt FP8's fp8 weights, an e8m0 scale per 32, no input scale
+        out = {}
+        for k, (dt, shape) in hdr("modelopt-fp8-dense").items():
+            if k.endswith(".weight_scale"):
+                n_k = hdr("modelopt-fp8-dense")[k[:-len("_scale")]][1]
+                out[k] = (torch.uint8, (n_k[0], n_k[1] // 32))
+            elif not k.endswith(".input_scale"):
+                out[k] = (dt, shape)
+        return out
     if fmt == "ct-w4a16-asym":  # + the int8 zero points packed 8 per int32 along out_features
         out = dict(hdr("llmcompressor-w4a16-gptq-dense"))
         for k, (dt, shape) in list(out.items()):
@@ -186,6 +197,15 @@ def test_configs_like_producers(synth_ckpt, testdata):
     mo_legacy = legacy(testdata / "modelopt-nvfp4-dense")
     mo_legacy["quantization"]["quant_algo"] = "W4A16_NVFP4"
     assert legacy(synth_ckpt("modelopt-w4a16-nvfp4")) == mo_legacy
+    # MXFP8: ModelOpt's NVFP4 config with quant_algo MXFP8 and its group (fp8, 32 per e8m0 scale)
+    mo = qconfig(testdata / "modelopt-nvfp4-dense")
+    mx = {"dynamic": False, "num_bits": 8, "type": "float", "group_size": 32}
+    mo["config_groups"]["group_0"] |= {"input_activations": dict(mx), "weights": dict(mx)}
+    mo["quant_algo"] = "MXFP8"
+    assert qconfig(synth_ckpt("modelopt-mxfp8")) == mo
+    mo_legacy = legacy(testdata / "modelopt-nvfp4-dense")
+    mo_legacy["quantization"] |= {"quant_algo": "MXFP8", "group_size": 32}
+    assert legacy(synth_ckpt("modelopt-mxfp8")) == mo_legacy
     ct = qconfig(testdata / "llmcompressor-nvfp4-dense")
     ct["config_groups"]["group_0"]["input_activations"] = None
     assert qconfig(synth_ckpt("ct-nvfp4a16")) == ct

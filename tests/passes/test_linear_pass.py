@@ -280,8 +280,9 @@ def test_compressed_tensors_w4a16_asym_passes_its_zero_points(one_layer):
     assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
 
 
-def test_nvfp4_w4a4_stays_faithful_off_cuda(one_layer):
-    """Off CUDA nothing is gained by dropping NVFP4 activation quantization: the reference stays."""
-    diff, be = load_and_diff(one_layer, "modelopt-nvfp4")
+@pytest.mark.parametrize("fmt", ["modelopt-nvfp4", "modelopt-mxfp8"])
+def test_nvfp4_w4a4_stays_faithful_off_cuda(one_layer, fmt):
+    """Off CUDA nothing is gained by dropping NVFP4 / MXFP8 activation quantization: the reference stays."""
+    diff, be = load_and_diff(one_layer, fmt)
     assert diff == "" and {r.kernel for r in be.rows} == {"reference"}
     assert "on cpu the faithful reference is as fast" in be.rows[0].reason
