@@ -196,3 +196,41 @@ def test_online_layers_quantize_as_their_weight_arrives():
     x = torch.randn(3, 256, dtype=torch.bfloat16)
     rel = (mod(x).float() - x.float() @ w.float().t()).norm() / (x.float() @ w.float().t()).norm()
     assert rel < 0.1
+
+
+@pytest.mark.parametrize("bits,strategy,n", [(8, "channel", 20), (4, "group", 20), (8, "group", 64)])
+def test_asymmetric_pack_quantized_zero_points_unpack_at_load(bits, strategy, n):
+    """compressed-tensors asymmetric pack-quantized: zero points packed 32/bits per int32 along
+    out_features (N = 20 leaves a partial last word), unpacked to int8 [N] / [N, K/g] at load; the
+    layer computes (q - z) * s."""
+    from qcompile.formats import parse_quant_config
+    from qcompile.kernels.quant_math import pack_int32
+
+    k, g = 256, 128
+    args = {"num_bits": bits, "type": "int", "strategy": strategy, "symmetric": False,
+            "group_size": g if strategy == "group" else None}
+    cfg = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+           "config_groups": {"g": {"targets": ["Linear"], "weights": args}}}
+    name = "model.layers.0.mlp.up_proj"
+    lq = parse_quant_config(cfg).resolve(name)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1))
+    gen = torch.Generator().manual_seed(bits + n)
+    q = torch.randint(lo, hi, (n, k), generator=gen, dtype=torch.int8)
+    cols = k // g if strategy == "group" else 1
+    zp = torch.randint(lo, hi, (n, cols), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, cols, generator=gen) + 0.5
+    tensors = {"weight_packed": pack_int32(q, bits), "weight_scale": scale.bfloat16(),
+               "weight_zero_point": pack_int32(zp.t().contiguous(), bits).t().contiguous(),
+               "weight_shape": torch.tensor([n, k])}
+    assert tensors["weight_zero_point"].shape == (-(-n * bits // 32), cols)
+    linear = torch.nn.Linear(k, n, bias=False, device="meta", dtype=torch.bfloat16)
+    mod = QuantLinear.plan(linear, name, lq, {f"{name}.{t}": (v.dtype, tuple(v.shape)) for t, v in tensors.items()})
+    for t, v in tensors.items():
+        setattr(mod, t, torch.nn.Parameter(v, requires_grad=False))
+    mod.finalize()
+    want_zp = zp if strategy == "group" else zp.view(n)
+    assert mod.weight_zero_point.dtype == torch.int8 and torch.equal(mod.weight_zero_point, want_zp)
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    w = (q.float() - zp.float().repeat_interleave(k // cols, 1)) * scale.bfloat16().float().repeat_interleave(k // cols, 1)
+    ref = x.float() @ w.t()
+    assert ((mod(x).float() - ref).norm() / ref.norm()).item() < 1e-2
