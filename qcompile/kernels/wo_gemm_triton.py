@@ -329,15 +329,15 @@ if HAS_TRITON:
         offs_i = tl.arange(0, BKW)
         j = tl.arange(0, EPW)
         words = tl.load(w_ptr + _word_offsets(rows, tl.program_id(1) * BKW + offs_i, stride_wn, TILED))
-        v = _decode(words[:, :, None] >> (j * BITS)[None, None, :], FMT)  # [BN, BKW, EPW]
-        k = tl.program_id(1) * BLOCK_K + (offs_i * EPW)[:, None] + j[None, :]  # [BKW, EPW]
-        if ACT_ORDER:
-            col = tl.load(g_ptr + k)[None, :, :]
-        elif GROUP == 0:
-            col = tl.zeros((1, BKW, EPW), dtype=tl.int32)
-        else:
-            col = (k // GROUP)[None, :, :]
-        sidx = rows[:, None, None] * stride_sn + col
+        v = _decode(words[:, :, None] >> (j * BITS)[None, None, :], FMT)  # [BN, BKW, EPW]: k in natural order
+        if ACT_ORDER:  # a scale per element, gathered through g_idx
+            k = tl.program_id(1) * BLOCK_K + (offs_i * EPW)[:, None] + j[None, :]  # [BKW, EPW]
+            sidx = rows[:, None, None] * stride_sn + tl.load(g_ptr + k)[None, :, :]
+        else:  # each scale loaded and decoded once, broadcast over its group (or row)
+            GPB: tl.constexpr = 1 if GROUP == 0 or GROUP >= BLOCK_K else BLOCK_K // GROUP  # groups per block
+            v = tl.reshape(v, (BLOCK_N, GPB, BLOCK_K // GPB))
+            first = 0 if GROUP == 0 else tl.program_id(1) * BLOCK_K // GROUP
+            sidx = (rows[:, None] * stride_sn + first + tl.arange(0, GPB)[None, :])[:, :, None]  # [BN, GPB, 1]
         if HAS_ZP:
             v = v - tl.load(z_ptr + sidx).to(tl.float32)
         v = v * _scale_value(tl.load(s_ptr + sidx), SCALE_KIND)
