@@ -104,6 +104,10 @@ class WeightSpec:
     # The weight's words are in wo_mma's streaming order (kernels/wo_mma.py: tile_words): a
     # permutation of the canonical [N, K/EPW] words, same shape and bytes, made once at load on GPUs.
     tiled: bool = False
+    # An act-order weight whose input columns were sorted by group once at load
+    # (quant_math.sort_act_order): stored column j is original column g_idx[j], and column j uses
+    # group j // group_size. The op computes x[:, g_idx] @ W_stored^T.
+    k_sorted: bool = False
 
     def key(self) -> str:
         parts = [self.dtype.value, self.scale.key()]
@@ -117,6 +121,8 @@ class WeightSpec:
             parts.append("actorder")
         if self.tiled:
             parts.append("tiled")
+        if self.k_sorted:
+            parts.append("ksorted")
         return "/".join(parts)
 
 
@@ -284,7 +290,7 @@ def parse_scheme_key(key: str) -> QuantScheme:
     packing = next((Packing(f[5:]) for f in flags if f.startswith("pack=")), Packing.NONE)
     weight = WeightSpec(QDtype(wparts[0]), _parse_scale(wparts[1]), packing,
                         global_scale="global" in flags, zero_point="zp" in flags,
-                        act_order="actorder" in flags, tiled="tiled" in flags)
+                        act_order="actorder" in flags, tiled="tiled" in flags, k_sorted="ksorted" in flags)
     act = None
     if a_text != "a=none":
         aparts = a_text[2:].split("/")

@@ -6,6 +6,8 @@ All functions are device-generic and work in fp32. Shapes: x [M, K], weight [N, 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..scheme import ActSpec, Granularity, Packing, QDtype, ScaleDtype, WeightSpec
@@ -120,6 +122,30 @@ def tile_words(weight: torch.Tensor) -> torch.Tensor:
     return words.view(weight.dtype)
 
 
+def sort_act_order(weight: torch.Tensor, g_idx: torch.Tensor, spec: WeightSpec, k: int,
+                   rows_per_step: int = 4096) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An act-order int weight with its input columns sorted by group, as Marlin runs GPTQ act-order:
+    (stored weight, perm) with stored column j = original column perm[j], so that column j uses group
+    j // G and ``x[:, perm] @ stored^T`` is the layer (spec ``k_sorted``, perm passed as its g_idx).
+    None when g_idx does not give every group exactly G columns (then the sorted groups would not be
+    contiguous). The codes are moved exactly; ``rows_per_step`` bounds the unpacked copy in memory."""
+    g = spec.scale.group_size
+    if k % g or g_idx.shape != (k,):
+        return None
+    perm = torch.sort(g_idx.long(), stable=True).indices
+    if not torch.equal(g_idx.long()[perm], torch.arange(k, device=g_idx.device) // g):
+        return None
+    out = torch.empty_like(weight)
+    for r in range(0, weight.shape[0], rows_per_step):
+        part = weight[r:r + rows_per_step]
+        if spec.packing is Packing.INT32:
+            codes = unpack_int32(part, spec.dtype.bits, k)[:, perm]
+            out[r:r + rows_per_step] = pack_int32(codes, spec.dtype.bits)
+        else:
+            out[r:r + rows_per_step] = part[:, perm]
+    return out, perm.to(torch.int32)
+
+
 def decode_weight_codes(weight: torch.Tensor, spec: WeightSpec, k: int) -> torch.Tensor:
     """Element values (before scales) of a stored weight, fp32 [N, K]."""
     if spec.tiled:
@@ -143,6 +169,11 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, spec: WeightSpe
         k = weight.shape[1] * {Packing.NONE: 1, Packing.INT32: 32 // spec.dtype.bits, Packing.UINT8: 2,
                                Packing.UINT8_FP6: 4 / 3}[spec.packing]
         k = int(k)
+    if spec.k_sorted:  # stored column j is original column g_idx[j] (sort_act_order)
+        stored = dequantize_weight(weight, scale, replace(spec, k_sorted=False), global_scale, zero_point, None, k)
+        w = torch.empty_like(stored)
+        w[:, g_idx.long()] = stored
+        return w
     q = decode_weight_codes(weight, spec, k)
     s = scale_to_fp32(scale, spec.scale.dtype)
     gran = spec.scale.granularity

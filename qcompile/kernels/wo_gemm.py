@@ -37,7 +37,7 @@ Math: ``out = x @ ((q - z) * s * g).T + bias``, fp32 accumulation, one rounding 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -112,9 +112,9 @@ def wo_reason(scheme: QuantScheme) -> str | None:
     g = w.scale.group_size
     if gran is Granularity.GROUP and (g < 16 or g & (g - 1)):
         return f"group size {g} is not a power of two >= 16"
-    if (w.zero_point or w.act_order) and w.dtype not in (QDtype.INT4, QDtype.INT8):
+    if (w.zero_point or w.act_order or w.k_sorted) and w.dtype not in (QDtype.INT4, QDtype.INT8):
         return "zero points / act-order only with int4 / int8 weights"
-    if w.act_order and gran is not Granularity.GROUP:
+    if (w.act_order or w.k_sorted) and gran is not Granularity.GROUP:
         return "act-order (g_idx) needs group scales"
     return None
 
@@ -284,7 +284,8 @@ def _validate(x, weight, scale, global_scale, zero_point, g_idx, spec: QuantSche
                                f"{scale.dtype} {list(scale.shape)}", where=OP,
                                fix="normalize scales at load (scheme.canonical_shape)")
     for name, t, needed in (("weight_global_scale", global_scale, w.global_scale),
-                            ("weight_zero_point", zero_point, w.zero_point), ("weight_g_idx", g_idx, w.act_order)):
+                            ("weight_zero_point", zero_point, w.zero_point),
+                            ("weight_g_idx", g_idx, w.act_order or w.k_sorted)):
         if (t is not None) != needed:
             raise UnsupportedError(f"scheme {scheme} {'needs' if needed else 'has no'} {name}", where=OP)
     if zero_point is not None and tuple(zero_point.shape) != tuple(scale.shape):
@@ -344,7 +345,10 @@ def wo_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     x2 = x.reshape(-1, k).contiguous()
     if x2.shape[0] == 0:
         return x.new_empty((*lead, n))
-    out = impl(x2, weight, weight_scale, weight_global_scale, weight_zero_point, weight_g_idx, bias, spec.weight)
+    w = spec.weight
+    if w.k_sorted:  # act-order sorted at load: x's columns in the stored order, then plain groups
+        x2, weight_g_idx, w = x2.index_select(1, weight_g_idx), None, replace(w, k_sorted=False)
+    out = impl(x2, weight, weight_scale, weight_global_scale, weight_zero_point, weight_g_idx, bias, w)
     return out.reshape(*lead, n)
 
 

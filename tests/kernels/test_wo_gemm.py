@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,39 @@ def test_opcheck(name):
         opcheck(torch.ops.qcompile.wo_linear.default, op_args(case, "dequant"))
         out = torch.ops.qcompile.wo_linear(*op_args(case, "dequant"))
         assert out.shape == (*m_shape, 64) and out.dtype == dtype
+
+
+def sorted_case(case):
+    """An act-order case with its input columns sorted by group (quant_math.sort_act_order), as a GPU
+    load does for wo_mma: scheme k_sorted, g_idx = the permutation."""
+    spec = wg.parse_scheme_key(case["scheme"]).weight
+    weight, perm = quant_math.sort_act_order(case["weight"], case["weight_g_idx"], spec, case["x"].shape[-1])
+    return dict(case, weight=weight, weight_g_idx=perm,
+                scheme=QuantScheme(replace(spec, act_order=False, k_sorted=True)).key)
+
+
+@pytest.mark.parametrize("dtype,packing", [(QDtype.INT4, Packing.INT32), (QDtype.INT8, Packing.INT32),
+                                           (QDtype.INT8, Packing.NONE)])
+def test_sort_act_order_is_exact(dtype, packing):
+    """Sorting an act-order weight's columns by group moves codes only: the dequantized layer is
+    bit for bit the same, the op computes the same function, and a g_idx whose groups are not all
+    G columns wide is left alone."""
+    spec = _int(dtype, Granularity.GROUP, 32, packing, act_order=True)
+    SPECS["_sort"] = spec
+    try:
+        case = make_case("_sort", 48, 256, (4,), torch.bfloat16, seed=7)
+    finally:
+        del SPECS["_sort"]
+    srt = sorted_case(case)
+    assert srt["scheme"].endswith("ksorted;a=none") and not torch.equal(srt["weight"], case["weight"])
+    assert torch.equal(dequantized(srt), dequantized(case))
+    opcheck(torch.ops.qcompile.wo_linear.default, op_args(srt, "dequant"))
+    want = reference(case)
+    got = torch.ops.qcompile.wo_linear(*op_args(srt, "dequant")).double()
+    assert ((got - want).norm() / want.norm()).item() < 4e-3
+    uneven = case["weight_g_idx"].clone()
+    uneven[uneven == 1] = 0  # group 0 now 64 columns wide, group 1 empty
+    assert quant_math.sort_act_order(case["weight"], uneven, spec, 256) is None
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -21,7 +21,7 @@ from qcompile.kernels import wo_mma
 from qcompile.kernels.registry import KernelQuery
 from qcompile.scheme import Granularity, Packing, QDtype, QuantScheme, ScaleSpec, WeightSpec
 
-from .test_wo_gemm import SPECS, _gpu_case, op_args
+from .test_wo_gemm import SPECS, _gpu_case, op_args, sorted_case
 
 HAS_CUDA = torch.cuda.is_available()
 MMA_NAMES = [n for n, s in SPECS.items() if not s.act_order]
@@ -222,6 +222,44 @@ def test_gpu_mma_forced_splits_and_determinism(name):
                 assert torch.equal(out, wo_mma.wo_mma(*a, **kw)), what
         # the cluster reduction did run: 4096 / 128 CTA columns of clusters fit on any sm_90
         assert {v[0].cluster for v in wo_mma._PLANS.values()} >= {3, 7, 8}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_act_order_sorted_runs_wo_mma():
+    """Act-order int4: sorted by group (and tiled) the weight runs wo_mma through the op's mma backend
+    (x's columns gathered per call), within the reference tolerance, M up to 128; and a GPU load of
+    a compressed-tensors act-order layer does that sort by itself."""
+    from qcompile.formats import parse_quant_config
+    from qcompile.linear import QuantLinear
+
+    n = k = 4096
+    for i, m in enumerate((1, 16, 64, 128)):
+        case = _gpu_case("int4_g32_actorder", m, n, k, torch.bfloat16, seed=30 + i)
+        srt = sorted_case(case)
+        spec = wg.parse_scheme_key(srt["scheme"]).weight
+        tiled = dict(srt, weight=quant_math.tile_words(srt["weight"]),
+                     scheme=QuantScheme(replace(spec, tiled=True)).key)
+        assert wo_mma.mma_reason(replace(spec, k_sorted=False), n, k) is None
+        _check(torch.ops.qcompile.wo_linear(*op_args(tiled, "mma")), case, k, f"act-order sorted M={m}")
+    # the load path: QuantLinear.finalize on the GPU sorts and tiles an act-order layer
+    cfg = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                                           "symmetric": True, "actorder": "group"}}}}
+    name = "model.layers.0.mlp.up_proj"
+    lq = parse_quant_config(cfg).resolve(name)
+    tensors = {"weight_packed": case["weight"], "weight_scale": case["weight_scale"].bfloat16(),
+               "weight_g_idx": case["weight_g_idx"], "weight_shape": torch.tensor([n, k])}
+    linear = torch.nn.Linear(k, n, bias=False, device="meta", dtype=torch.bfloat16)
+    mod = QuantLinear.plan(linear, name, lq, {f"{name}.{t}": (v.dtype, tuple(v.shape)) for t, v in tensors.items()})
+    for t, v in tensors.items():
+        setattr(mod, t, torch.nn.Parameter(v.cuda(), requires_grad=False))
+    mod.finalize()
+    assert mod.scheme_key == "w=int4/group32/pack=int32/tiled/ksorted;a=none", mod.scheme_key
+    got = torch.ops.qcompile.wo_linear(case["x"], mod.weight, mod.weight_scale, None, None, mod.weight_g_idx, None,
+                                       mod.scheme_key, "mma")
+    ref_case = dict(case, weight_scale=case["weight_scale"].bfloat16().float(), bias=None)  # bf16 scales, as stored
+    _check(got, ref_case, k, "loaded act-order layer")
 
 
 @pytest.mark.gpu
