@@ -185,9 +185,10 @@ class QuantLinear(nn.Module):
     def _tile_for_kernel(self) -> None:
         """On a GPU where the registry picks ``wo_mma`` for this layer, permute the weight once into
         the order that kernel streams (quant_math.tile_words; ~25% faster than the canonical order at
-        decode, docs/kernels-wo.md). An act-order weight is first sorted by group
+        decode, docs/kernels-wo.md). An act-order weight is first sorted by group for either GPU kernel
         (quant_math.sort_act_order; the op then gathers x's columns per call), when its g_idx allows
-        it: wo_mma does not take act-order. The old tensor is freed at once: one layer of extra memory."""
+        it: wo_mma takes no g_idx, and Triton's per-element scale lookup through it was 15x slower
+        than its plain group path. The old tensor is freed at once: one layer of extra memory."""
         from .kernels.registry import KernelQuery, cuda_capability, select
 
         w = self.weight
@@ -196,19 +197,20 @@ class QuantLinear(nn.Module):
             return
         dtype = self.bias.dtype if self.bias is not None else self.dtype
 
-        def picks_mma(s) -> bool:
+        def kernel(s) -> str:
             query = KernelQuery(s, "cuda", cuda_capability(w.device), self.out_features, self.in_features, dtype)
-            return select(query).kernel.name == "wo_mma"
+            return select(query).kernel.name
 
         if scheme.weight.act_order:
             sorted_scheme = replace(scheme, weight=replace(scheme.weight, act_order=False, k_sorted=True))
-            done = picks_mma(sorted_scheme) and quant_math.sort_act_order(
+            done = kernel(sorted_scheme) in ("wo_mma", "wo_triton") and quant_math.sort_act_order(
                 w.data, self.weight_g_idx.data, scheme.weight, self.in_features)
             if not done:
                 return
             self.weight, self.weight_g_idx = _param(done[0]), _param(done[1])
             w, scheme = self.weight, sorted_scheme
-        elif not picks_mma(scheme):
+            self.scheme_key = scheme.key
+        if kernel(scheme) != "wo_mma":
             return
         tiled = replace(scheme.weight, tiled=True)
         self.weight = _param(quant_math.tile_words(w.data))

@@ -242,6 +242,10 @@ def test_gpu_act_order_sorted_runs_wo_mma():
                      scheme=QuantScheme(replace(spec, tiled=True)).key)
         assert wo_mma.mma_reason(replace(spec, k_sorted=False), n, k) is None
         _check(torch.ops.qcompile.wo_linear(*op_args(tiled, "mma")), case, k, f"act-order sorted M={m}")
+        # fp16 x: the Triton kernel's plain group path on the sorted weight
+        h = dict(case, x=case["x"].half(), bias=None if case["bias"] is None else case["bias"].half())
+        _check(torch.ops.qcompile.wo_linear(*op_args(dict(srt, x=h["x"], bias=h["bias"]), "triton")), h, k,
+               f"act-order sorted fp16 M={m}")
     # the load path: QuantLinear.finalize on the GPU sorts and tiles an act-order layer
     cfg = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
@@ -250,11 +254,15 @@ def test_gpu_act_order_sorted_runs_wo_mma():
     lq = parse_quant_config(cfg).resolve(name)
     tensors = {"weight_packed": case["weight"], "weight_scale": case["weight_scale"].bfloat16(),
                "weight_g_idx": case["weight_g_idx"], "weight_shape": torch.tensor([n, k])}
-    linear = torch.nn.Linear(k, n, bias=False, device="meta", dtype=torch.bfloat16)
-    mod = QuantLinear.plan(linear, name, lq, {f"{name}.{t}": (v.dtype, tuple(v.shape)) for t, v in tensors.items()})
-    for t, v in tensors.items():
-        setattr(mod, t, torch.nn.Parameter(v.cuda(), requires_grad=False))
-    mod.finalize()
+    header = {f"{name}.{t}": (v.dtype, tuple(v.shape)) for t, v in tensors.items()}
+    mods = {}
+    for dtype in (torch.float16, torch.bfloat16):  # fp16 layers run Triton: sorted, not tiled
+        mods[dtype] = QuantLinear.plan(torch.nn.Linear(k, n, bias=False, device="meta", dtype=dtype), name, lq, header)
+        for t, v in tensors.items():
+            setattr(mods[dtype], t, torch.nn.Parameter(v.cuda(), requires_grad=False))
+        mods[dtype].finalize()
+    assert mods[torch.float16].scheme_key == "w=int4/group32/pack=int32/ksorted;a=none"
+    mod = mods[torch.bfloat16]
     assert mod.scheme_key == "w=int4/group32/pack=int32/tiled/ksorted;a=none", mod.scheme_key
     got = torch.ops.qcompile.wo_linear(case["x"], mod.weight, mod.weight_scale, None, None, mod.weight_g_idx, None,
                                        mod.scheme_key, "mma")
