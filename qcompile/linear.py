@@ -187,8 +187,8 @@ class QuantLinear(nn.Module):
         the order that kernel streams (quant_math.tile_words; ~25% faster than the canonical order at
         decode, docs/kernels-wo.md). An act-order weight is first sorted by group for either GPU kernel
         (quant_math.sort_act_order; the op then gathers x's columns per call), when its g_idx allows
-        it: wo_mma takes no g_idx, and Triton's per-element scale lookup through it was 15x slower
-        than its plain group path. The old tensor is freed at once: one layer of extra memory."""
+        it: wo_mma takes no g_idx, and Triton's per-element scale lookup through it was much slower
+        than its plain group path (13x at 8192², M=1). The old tensor is freed at once: one layer of extra memory."""
         from .kernels.registry import KernelQuery, cuda_capability, select
 
         w = self.weight
