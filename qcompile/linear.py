@@ -25,8 +25,8 @@ from torch import nn
 from .errors import CheckpointError, UnsupportedError
 from .kernels import quant_math
 from .kernels.reference import linear_ref, reference_supports  # noqa: F401  (registers the op)
-from .scheme import (Granularity, LayerQuant, Packing, QDtype, ScaleDtype, canonical_shape, disk_shape, parse_scheme_key,
-                     shape_matches)
+from .scheme import (Granularity, LayerQuant, Packing, QDtype, ScaleDtype, canonical_shape, disk_shape,
+                     parse_scheme_key, shape_matches)
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.int32, torch.int64)
