@@ -187,8 +187,8 @@ class QuantLinear(nn.Module):
         the order that kernel streams (quant_math.tile_words; ~25% faster than the canonical order at
         decode, docs/kernels-wo.md). An act-order weight is first sorted by group for either GPU kernel
         (quant_math.sort_act_order; the op then gathers x's columns per call), when its g_idx allows
-        it: wo_mma takes no g_idx, and Triton's per-element scale lookup through it was much slower
-        than its plain group path (13x at 8192², M=1). The old tensor is freed at once: one layer of extra memory."""
+        it: wo_mma takes no g_idx, and Triton's per-element scale lookup through it was 13x slower than
+        its plain group path (8192², M=1). The old tensor is freed at once: one layer of extra memory."""
         from .kernels.registry import KernelQuery, cuda_capability, select
 
         w = self.weight
@@ -203,14 +203,17 @@ class QuantLinear(nn.Module):
 
         if scheme.weight.act_order:
             sorted_scheme = replace(scheme, weight=replace(scheme.weight, act_order=False, k_sorted=True))
-            done = kernel(sorted_scheme) in ("wo_mma", "wo_triton") and quant_math.sort_act_order(
+            name = kernel(sorted_scheme)
+            done = name in ("wo_mma", "wo_triton") and quant_math.sort_act_order(
                 w.data, self.weight_g_idx.data, scheme.weight, self.in_features)
             if not done:
                 return
             self.weight, self.weight_g_idx = _param(done[0]), _param(done[1])
             w, scheme = self.weight, sorted_scheme
             self.scheme_key = scheme.key
-        if kernel(scheme) != "wo_mma":
+        else:
+            name = kernel(scheme)
+        if name != "wo_mma":
             return
         tiled = replace(scheme.weight, tiled=True)
         self.weight = _param(quant_math.tile_words(w.data))

@@ -269,10 +269,9 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | ctypes.c_void_p:
             raise RuntimeError(f"wo_mma: {what} failed with CUresult {code} (split-K counters, {4 * size} bytes)")
 
     with torch.cuda.device(idx):
-        torch.cuda.synchronize(idx)  # a replaced buffer may still be in use
         check(lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(4 * size)), "cuMemAlloc")
         check(lib.cuMemsetD32_v2(ptr, ctypes.c_uint(0), ctypes.c_size_t(size)), "cuMemsetD32")
-        check(lib.cuCtxSynchronize(), "cuCtxSynchronize")
+        check(lib.cuCtxSynchronize(), "cuCtxSynchronize")  # the zeros, and a replaced buffer's last launch
         if have is not None:
             check(lib.cuMemFree_v2(have[0]), "cuMemFree")
     _COUNTERS[key] = (ptr, size)

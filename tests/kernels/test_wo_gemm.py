@@ -127,11 +127,13 @@ def rtn_quantize(spec: WeightSpec, w: torch.Tensor, seed: int = 0) -> dict:
     return out
 
 
-def make_case(name: str, n: int, k: int, m_shape=(3,), dtype=torch.bfloat16, bias=False, seed=0, device="cpu"):
+def make_case(name: str | WeightSpec, n: int, k: int, m_shape=(3,), dtype=torch.bfloat16, bias=False, seed=0,
+              device="cpu"):
+    """A random layer quantized as ``name`` (a key of SPECS, or a WeightSpec)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * (0.5 + torch.rand(n, 1, generator=g)) / k**0.5
     w[:, :: max(1, k // 5)] *= 6  # a few large columns: groups differ
-    spec = SPECS[name]
+    spec = SPECS[name] if isinstance(name, str) else name
     q = rtn_quantize(spec, w, seed)
     x = torch.randn(*m_shape, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -244,11 +246,7 @@ def test_sort_act_order_is_exact(dtype, packing):
     bit for bit the same, the op computes the same function, and a g_idx whose groups are not all
     G columns wide is left alone."""
     spec = _int(dtype, Granularity.GROUP, 32, packing, act_order=True)
-    SPECS["_sort"] = spec
-    try:
-        case = make_case("_sort", 48, 256, (4,), torch.bfloat16, seed=7)
-    finally:
-        del SPECS["_sort"]
+    case = make_case(spec, 48, 256, (4,), torch.bfloat16, seed=7)
     srt = sorted_case(case)
     assert srt["scheme"].endswith("ksorted;a=none") and not torch.equal(srt["weight"], case["weight"])
     assert torch.equal(dequantized(srt), dequantized(case))
