@@ -28,6 +28,10 @@
 //    each warp decodes the next chunk's weights, while the wgmmas of the current chunk run. The
 //    CTA's K range needs no x staging up front, so any split fits. Group scales are multiplied into
 //    the decoded weights (no per-chunk fp32 step).
+//  * WS (sm_90a, warp-specialized wgmma build, tiled weights): two producer warps fill mbarrier
+//    rings with bulk copies (weights: NSTG slots of one chunk per consumer warp, released as soon as
+//    the words are in registers; x: XSTAGES slots, rearranged into the B layout once per call by
+//    x_prep), and the consumer warpgroups wait only on their own slots: no CTA barrier per chunk.
 //  * PDL (sm_90, programmatic dependent launch): the first weight chunks are requested before
 //    griddepcontrol.wait, so they overlap the previous kernel's tail; x, the outputs, the partials
 //    and the counters are touched only after it.
@@ -35,7 +39,7 @@
 // Compile-time configuration (#defines prepended by wo_mma.py): FMT, SK, SMODE, GROUP, HAS_ZP,
 // ZP_T, HAS_GS, HAS_BIAS, MT (8-token tiles), STAGES (chunks in flight per warp), WARPS, PACKED
 // (tiled words), CLUSTER (splits in one cluster), PDL, WGMMA, XSTAGES (x chunks in flight, wgmma), MINB
-// (CTAs per SM the registers must allow).
+// (CTAs per SM the registers must allow), WS (the warp-specialized build), NSTG (its weight slots).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -52,6 +56,11 @@ typedef unsigned short u16;
 #define SMODE_CHUNK 1  // group >= chunk: applied to each chunk's fp32 product
 #define SMODE_PRE 2    // group < chunk: multiplied into the decoded weights
 
+#if WS  // WARPS consumer warps (whole warpgroups) and two producer warps
+#define NTHR (WARPS * 32 + 64)
+#else
+#define NTHR (WARPS * 32)
+#endif
 #define BITS ((FMT == FMT_INT4 || FMT == FMT_E2M1) ? 4 : 8)
 #define KPC (BITS == 4 ? 128 : 64)  // k per chunk (per row)
 #define KPL (KPC / 4)               // k per lane per chunk
@@ -265,6 +274,37 @@ __device__ __forceinline__ void wg_fence_acc(float (&acc)[MT][4]) {
 }
 #endif
 
+#if WS
+// Warp-specialized wgmma build: two producer warps fill two rings in shared memory with bulk copies
+// (cp.async.bulk, completion counted in bytes on the slot's `full` mbarrier): NSTG slots of weights,
+// each one chunk of every consumer warp's 16 tiled rows (WSTAGE), and XSTAGES slots of x, each one
+// chunk already in the B layout (x_prep). Consumer warps wait only on their slots' `full` barriers
+// and release them (`empty`, every consumer thread arrives): a weight slot as soon as its words are
+// in registers, an x slot once the wgmmas that read it are done. No CTA barrier in the main loop.
+#define WSTAGE (WARPS * 1024)  // one chunk of 16 rows (2 x 32 lanes x 16 bytes) per warp
+__device__ __forceinline__ void mbar_init(u32 a, int n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 a, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 a) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
+  u32 done;
+  do {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
+  } while (!done);
+}
+// global -> this CTA's shared memory, `bytes` (a multiple of 16) counted on mbarrier `bar`
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar, unsigned long long pol) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
+}
+#endif
+
 // Group index (scale / zero-point column) of lane q's k in chunk ch.
 __device__ __forceinline__ int group_index(int ch, int q) {
 #if SMODE == SMODE_END
@@ -371,11 +411,122 @@ __device__ __forceinline__ float4 ld_dsmem4(u32 addr, int rank) {  // `addr` in 
   return v;
 }
 
-#if MINB > 1
-#define LBOUNDS __launch_bounds__(WARPS * 32, MINB)
-#else
-#define LBOUNDS __launch_bounds__(WARPS * 32)  // (an explicit 1 lets the compiler use more registers)
+// The epilogue of both kernels: the global scale, the bias and the bf16 output; with split-K, the
+// reduction inside the cluster or through global memory. `warp` owns rows n0 .. n0 + 15 of the
+// CTA's WARPS * 16 (inactive warps: none); every thread of the CTA calls it.
+__device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int warp, int n0,
+                                          const float* __restrict__ gs, const u16* __restrict__ bias,
+                                          u16* __restrict__ out, float* __restrict__ part,
+                                          int* __restrict__ counters, int M, int N, unsigned char* xs) {
+  const int lane = threadIdx.x & 31, r = lane >> 2, q = lane & 3;
+  const float g = HAS_GS ? gs[0] : 1.f;
+
+  if (gridDim.y == 1) {
+    if (active) {
+#pragma unroll
+      for (int t = 0; t < MT; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          const int tok = t * 8 + 2 * q + (i & 1), n = n0 + r + (i >> 1) * 8;
+          if (tok < M) {
+            float v = acc[t][i] * g;
+#if HAS_BIAS
+            v += bf16_to_f32(bias[n]);
 #endif
+            out[(size_t)tok * N + n] = f32_to_bf16(v);
+          }
+        }
+    }
+    return;
+  }
+#if CLUSTER > 1
+  // split-K inside one thread-block cluster (the CTAs of this column): partials to shared memory,
+  // then CTA `rank` sums its slice of the outputs over the cluster's shared memories in rank order
+  // (deterministic), no global memory, no counters.
+  constexpr int NR = WARPS * 16;  // output rows of a CTA
+  float* red = (float*)xs;        // [M][NR] fp32, over x once every warp is past it
+  __syncthreads();
+  if (active) {
+#pragma unroll
+    for (int t = 0; t < MT; t++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const int tok = t * 8 + 2 * q + (i & 1);
+        if (tok < M) red[tok * NR + warp * 16 + r + (i >> 1) * 8] = acc[t][i];
+      }
+  }
+  cluster_sync();
+  {  // 4 consecutive outputs of one token per thread and step (NR and N are multiples of 16)
+    const u32 rbase = smem_addr(xs);
+    const int total = M * NR / 4, per = (total + CLUSTER - 1) / CLUSTER, j0 = cluster_rank() * per;
+    const int j1 = min(j0 + per, total);
+    for (int j = j0 + threadIdx.x; j < j1; j += NTHR) {
+      const int tok = 4 * j / NR, n = blockIdx.x * NR + 4 * j % NR;
+      if (n < N) {
+        float4 p[CLUSTER];
+#pragma unroll
+        for (int c = 0; c < CLUSTER; c++) p[c] = ld_dsmem4(rbase + 16 * j, c);
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int c = 0; c < CLUSTER; c++) {
+          v[0] += p[c].x; v[1] += p[c].y; v[2] += p[c].z; v[3] += p[c].w;
+        }
+        u16 o[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          v[i] *= g;
+#if HAS_BIAS
+          v[i] += bf16_to_f32(bias[n + i]);
+#endif
+          o[i] = f32_to_bf16(v[i]);
+        }
+        *(uint2*)(out + (size_t)tok * N + n) = make_uint2(o[0] | ((u32)o[1] << 16), o[2] | ((u32)o[3] << 16));
+      }
+    }
+  }
+  cluster_sync();  // keep this CTA's shared memory until the cluster has read it
+#else
+  // split-K: partials, then the last CTA of this column reduces in split order
+  if (active) {
+    float* p = part + (size_t)blockIdx.y * M * N;
+#pragma unroll
+    for (int t = 0; t < MT; t++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const int tok = t * 8 + 2 * q + (i & 1), n = n0 + r + (i >> 1) * 8;
+        if (tok < M) p[(size_t)tok * N + n] = acc[t][i];
+      }
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(&counters[blockIdx.x], 1);
+    is_last = prev == (int)gridDim.y - 1;
+    if (is_last) counters[blockIdx.x] = 0;
+  }
+  __syncthreads();
+  if (!is_last || !active) return;
+  __threadfence();
+  for (int i = lane; i < 16 * M; i += 32) {
+    const int tok = i >> 4, n = n0 + (i & 15);
+    float v = 0.f;
+    for (int sp = 0; sp < (int)gridDim.y; sp++) v += ld_cg(part + ((size_t)sp * M + tok) * N + n);
+    v *= g;
+#if HAS_BIAS
+    v += bf16_to_f32(bias[n]);
+#endif
+    out[(size_t)tok * N + n] = f32_to_bf16(v);
+  }
+#endif
+}
+
+#if MINB > 1
+#define LBOUNDS __launch_bounds__(NTHR, MINB)
+#else
+#define LBOUNDS __launch_bounds__(NTHR)  // (an explicit 1 lets the compiler use more registers)
+#endif
+#if !WS
 extern "C" __global__ void KATTR LBOUNDS
 wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restrict__ s,
        const ZP_T* __restrict__ zp, const float* __restrict__ gs, const u16* __restrict__ bias,
@@ -585,104 +736,154 @@ wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restr
     acc[t][0] *= s_a; acc[t][1] *= s_a; acc[t][2] *= s_b; acc[t][3] *= s_b;
   }
 #endif
-  const float g = HAS_GS ? gs[0] : 1.f;
-
-  if (gridDim.y == 1) {
-    if (active) {
-#pragma unroll
-      for (int t = 0; t < MT; t++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-          const int tok = t * 8 + 2 * q + (i & 1), n = n0 + r + (i >> 1) * 8;
-          if (tok < M) {
-            float v = acc[t][i] * g;
-#if HAS_BIAS
-            v += bf16_to_f32(bias[n]);
-#endif
-            out[(size_t)tok * N + n] = f32_to_bf16(v);
-          }
-        }
-    }
-    return;
-  }
-#if CLUSTER > 1
-  // split-K inside one thread-block cluster (the CTAs of this column): partials to shared memory,
-  // then CTA `rank` sums its slice of the outputs over the cluster's shared memories in rank order
-  // (deterministic), no global memory, no counters.
-  constexpr int NR = WARPS * 16;  // output rows of a CTA
-  float* red = (float*)xs;        // [M][NR] fp32, over x once every warp is past it
-  __syncthreads();
-  if (active) {
-#pragma unroll
-    for (int t = 0; t < MT; t++)
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const int tok = t * 8 + 2 * q + (i & 1);
-        if (tok < M) red[tok * NR + warp * 16 + r + (i >> 1) * 8] = acc[t][i];
-      }
-  }
-  cluster_sync();
-  {  // 4 consecutive outputs of one token per thread and step (NR and N are multiples of 16)
-    const u32 rbase = smem_addr(xs);
-    const int total = M * NR / 4, per = (total + CLUSTER - 1) / CLUSTER, j0 = cluster_rank() * per;
-    const int j1 = min(j0 + per, total);
-    for (int j = j0 + threadIdx.x; j < j1; j += WARPS * 32) {
-      const int tok = 4 * j / NR, n = blockIdx.x * NR + 4 * j % NR;
-      if (n < N) {
-        float4 p[CLUSTER];
-#pragma unroll
-        for (int c = 0; c < CLUSTER; c++) p[c] = ld_dsmem4(rbase + 16 * j, c);
-        float v[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int c = 0; c < CLUSTER; c++) {
-          v[0] += p[c].x; v[1] += p[c].y; v[2] += p[c].z; v[3] += p[c].w;
-        }
-        u16 o[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-          v[i] *= g;
-#if HAS_BIAS
-          v[i] += bf16_to_f32(bias[n + i]);
-#endif
-          o[i] = f32_to_bf16(v[i]);
-        }
-        *(uint2*)(out + (size_t)tok * N + n) = make_uint2(o[0] | ((u32)o[1] << 16), o[2] | ((u32)o[3] << 16));
-      }
-    }
-  }
-  cluster_sync();  // keep this CTA's shared memory until the cluster has read it
-#else
-  // split-K: partials, then the last CTA of this column reduces in split order
-  if (active) {
-    float* p = part + (size_t)blockIdx.y * M * N;
-#pragma unroll
-    for (int t = 0; t < MT; t++)
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const int tok = t * 8 + 2 * q + (i & 1), n = n0 + r + (i >> 1) * 8;
-        if (tok < M) p[(size_t)tok * N + n] = acc[t][i];
-      }
-  }
-  __threadfence();
-  __syncthreads();
-  __shared__ int is_last;
-  if (threadIdx.x == 0) {
-    const int prev = atomicAdd(&counters[blockIdx.x], 1);
-    is_last = prev == (int)gridDim.y - 1;
-    if (is_last) counters[blockIdx.x] = 0;
-  }
-  __syncthreads();
-  if (!is_last || !active) return;
-  __threadfence();
-  for (int i = lane; i < 16 * M; i += 32) {
-    const int tok = i >> 4, n = n0 + (i & 15);
-    float v = 0.f;
-    for (int sp = 0; sp < (int)gridDim.y; sp++) v += ld_cg(part + ((size_t)sp * M + tok) * N + n);
-    v *= g;
-#if HAS_BIAS
-    v += bf16_to_f32(bias[n]);
-#endif
-    out[(size_t)tok * N + n] = f32_to_bf16(v);
-  }
-#endif
+  store_out(acc, active, warp, n0, gs, bias, out, part, counters, M, N, xs);
 }
+#else  // WS
+// x [M, K] -> xp: for each chunk, x as the wgmma build's B operand (XBUF bytes, see x_transform),
+// tokens M .. 8 MT - 1 zero. Task t: token (t % 8) + 8 ((t / 8) % MT), unit (t / (8 MT)) % UNITS,
+// chunk t / (8 MT UNITS): consecutive threads write consecutive 16-byte rows of a core matrix.
+extern "C" __global__ void __launch_bounds__(256) x_prep(const u16* __restrict__ x, u16* __restrict__ xp, int M,
+                                                         int K) {
+#if PDL && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  const int t = blockIdx.x * blockDim.x + threadIdx.x, per = MT * 8 * UNITS;
+  if (t >= (K / KPC) * per) return;
+  const int ch = t / per, m = (t & 7) + 8 * ((t >> 3) % MT), u = (t / (8 * MT)) % UNITS;
+  U4 w[4];
+#pragma unroll
+  for (int qq = 0; qq < 4; qq++) {
+    const U4 v = m < M ? *(const U4*)(x + (size_t)m * K + (size_t)ch * KPC + qq * KPL + u * 8) : U4{{0u, 0u, 0u, 0u}};
+    w[qq] = x_unit_order(v);
+  }
+  unsigned char* dst = (unsigned char*)xp + (size_t)ch * XBUF;
+#pragma unroll
+  for (int e = 0; e < 4; e++)
+    *(U4*)(dst + ((4 * u + e) * MT + (m >> 3)) * 128 + (m & 7) * 16) =
+        U4{{w[0].v[e], w[1].v[e], w[2].v[e], w[3].v[e]}};
+}
+
+// `x` is x_prep's output. Warps 0 .. WARPS - 1 consume (warp w: rows 16 (blockIdx.x WARPS + w) ..
+// + 15, wgmma per warpgroup), warp WARPS copies the weights, warp WARPS + 1 x.
+extern "C" __global__ void KATTR LBOUNDS
+wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restrict__ s,
+       const ZP_T* __restrict__ zp, const float* __restrict__ gs, const u16* __restrict__ bias,
+       u16* __restrict__ out, float* __restrict__ part, int* __restrict__ counters,
+       int M, int N, int K, int ss, int cps) {
+  extern __shared__ __align__(128) unsigned char xs[];
+  // weights: full[NSTG], empty[NSTG]; x: full[XSTAGES], empty[XSTAGES]
+  __shared__ __align__(8) unsigned long long bars[2 * NSTG + 2 * XSTAGES];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r = lane >> 2, q = lane & 3;
+  const int nch = K / KPC, c0 = blockIdx.y * cps, nc = min(cps, nch - c0);
+  const int ntile = N / 16, tile0 = blockIdx.x * WARPS;
+  const u32 wring = smem_addr(xs), xring = wring + NSTG * WSTAGE;
+  const u32 wfull = smem_addr(bars), wempty = wfull + 8 * NSTG, xfull = wempty + 8 * NSTG,
+            xempty = xfull + 8 * XSTAGES;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < NSTG; i++) {
+      mbar_init(wfull + 8 * i, 1);
+      mbar_init(wempty + 8 * i, WARPS * 32);
+    }
+    for (int i = 0; i < XSTAGES; i++) {
+      mbar_init(xfull + 8 * i, 1);
+      mbar_init(xempty + 8 * i, WARPS * 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  float acc[MT][4];
+#pragma unroll
+  for (int t = 0; t < MT; t++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[t][i] = 0.f;
+  const int n0 = (tile0 + warp) * 16;
+  const bool active = warp < WARPS && n0 < N;
+
+  if (warp == WARPS) {
+    // Weights (not written by the previous kernel: no griddepcontrol.wait): lane t < WARPS copies
+    // warp t's 1 KB of the chunk (tiled words [N / 16][K / KPC][2][32][4]; past N, the last tile's,
+    // so that every slot has the same bytes).
+    unsigned long long pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    const u32* wt = w + (size_t)min(tile0 + lane, ntile - 1) * nch * 256 + (size_t)c0 * 256;
+    for (int i = 0; i < nc; i++) {
+      const int st = i % NSTG;
+      if (i >= NSTG) mbar_wait(wempty + 8 * st, ((i / NSTG) - 1) & 1);
+      if (lane == 0) mbar_expect_tx(wfull + 8 * st, WSTAGE);
+      __syncwarp();
+      if (lane < WARPS) bulk_copy(wring + st * WSTAGE + lane * 1024, wt + (size_t)i * 256, 1024, wfull + 8 * st, pol);
+    }
+  } else if (warp == WARPS + 1) {
+    // x (x_prep's output: after griddepcontrol.wait), kept in L2 for the other CTAs.
+#if PDL && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    unsigned long long pol;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+    const unsigned char* xc = (const unsigned char*)x + (size_t)c0 * XBUF;
+    for (int i = 0; i < nc; i++) {  // the whole warp waits, lane 0 copies
+      const int st = i % XSTAGES;
+      if (i >= XSTAGES) mbar_wait(xempty + 8 * st, ((i / XSTAGES) - 1) & 1);
+      if (lane == 0) {
+        mbar_expect_tx(xfull + 8 * st, XBUF);
+        bulk_copy(xring + st * XBUF, xc + (size_t)i * XBUF, XBUF, xfull + 8 * st, pol);
+      }
+      __syncwarp();
+    }
+  } else {
+    // Consumers: chunk i's words from its weight slot (released at once), decoded into fragment set
+    // i % 2 while the wgmmas of chunk i - 1 run; after issuing chunk i's wgmmas, wait for chunk
+    // i - 1's and release its x slot. Scales and zero points are loaded two chunks ahead.
+    const int rowa = active ? n0 + r : 0, sra = rowa * ss, srb = (rowa + 8) * ss;
+    ChunkConsts kc[2];
+    kc[0] = chunk_consts(c0, q, sra, srb, s, zp);
+    if (nc > 1) kc[1] = chunk_consts(c0 + 1, q, sra, srb, s, zp);
+    u32 af[2][KPC / 16][4];
+    const u32 wlane = wring + warp * 1024 + lane * 16;
+    for (int i0 = 0; i0 < nc; i0 += 2) {
+#pragma unroll
+      for (int p = 0; p < 2; p++) {
+        const int i = i0 + p, st = i % NSTG, sx = i % XSTAGES;
+        if (i < nc) {
+          mbar_wait(wfull + 8 * st, (i / NSTG) & 1);
+          const U4 A = ld_shared(wlane + st * WSTAGE), B = ld_shared(wlane + st * WSTAGE + 512);
+          mbar_arrive(wempty + 8 * st);
+          decode_chunk(A, B, kc[p], [&](int k16, u32 a0, u32 a1, u32 a2, u32 a3) {
+            af[p][k16][0] = a0; af[p][k16][1] = a1; af[p][k16][2] = a2; af[p][k16][3] = a3;
+          });
+          if (i + 2 < nc) kc[p] = chunk_consts(c0 + i + 2, q, sra, srb, s, zp);
+          mbar_wait(xfull + 8 * sx, (i / XSTAGES) & 1);
+          const unsigned long long d0 = wg_desc(xring + sx * XBUF);
+          wg_fence_acc(acc);
+          asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+          for (int k16 = 0; k16 < KPC / 16; k16++)
+            wgmma_k16(&acc[0][0], af[p][k16][0], af[p][k16][1], af[p][k16][2], af[p][k16][3],
+                      d0 + ((k16 * 2 * MT * 128) >> 4));
+          asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+          asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // chunk i - 1's
+          wg_fence_frags(af[p ^ 1]);
+          if (i > 0) mbar_arrive(xempty + 8 * ((i - 1) % XSTAGES));
+        }
+      }
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    wg_fence_acc(acc);
+#if SMODE == SMODE_END
+    const float s_a = scale_f32(s, sra), s_b = scale_f32(s, srb);
+#pragma unroll
+    for (int t = 0; t < MT; t++) {
+      acc[t][0] *= s_a; acc[t][1] *= s_a; acc[t][2] *= s_b; acc[t][3] *= s_b;
+    }
+#endif
+  }
+#if PDL && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // before any output, partial or counter
+#endif
+  store_out(acc, active, warp, n0, gs, bias, out, part, counters, M, N, xs);
+}
+#endif  // WS

@@ -5,9 +5,11 @@ m16n8k16, bf16) fed with weights decoded in registers, from the canonical checkp
 tiled one (quant_math.tile_words), x in shared memory, split-K reduced inside a thread-block cluster
 (sm_90, up to 8 splits whose clusters all fit on the GPU at once) or by the last CTA of each column.
 On sm_90 it is launched with programmatic dependent launch (cuLaunchKernelEx): its first weight
-loads overlap the previous kernel's tail (``QCOMPILE_PDL=0`` turns this off). On sm_90, M = 25..128
-(25..96 for int4 weights, :func:`max_m`) runs its wgmma build (warpgroup MMAs, x streamed per chunk;
-:func:`wgmma_default`); elsewhere the mma.sync build runs M <= 32.
+loads overlap the previous kernel's tail (``QCOMPILE_PDL=0`` turns this off). On sm_90, tiled
+weights from M = 12 (4-bit) / 64 (8-bit) up to 128 run its warp-specialized wgmma build (producer
+warps, mbarrier rings, :func:`ws_default`); other M = 25..128 (25..96 for int4 weights not tiled,
+:func:`max_m`) its lock-step wgmma build (:func:`wgmma_default`); elsewhere the mma.sync build runs
+M <= 32.
 
 It is compiled at first use for the running GPU with NVRTC, the runtime compiler that ships with
 PyTorch's CUDA build (no CUDA toolkit, no C++ compiler, no ninja needed), one specialization per
@@ -53,13 +55,38 @@ WGMMA_MAX_M = 128  # 16 token tiles (m64 n128 k16); what wo_mma(..., wgmma=True)
 # M = 80, 96 with wgmma_launch) and lost at M = 128 on 2 of 4 shapes (docs/kernels-wo.md, v8).
 # Elsewhere the mma.sync build runs M <= MAX_M.
 SM90_MAX_M_INT4 = 96
+# The warp-specialized wgmma build (producer warps filling mbarrier rings with bulk copies, x
+# rearranged once per call by x_prep) for tiled weights on sm_90 from this M: 4-bit weights at
+# M = 12..128 beat the mma.sync / wgmma builds at 3 shapes x 2 formats in 42 of 48 cells (by up to 2x at
+# M = 96..128), at M <= 8 they lost at 5 of 6 shape-format pairs (the x_prep launch and per-chunk
+# barriers cost more than the work); 8-bit weights won at M = 64 and 128 at both shapes measured and
+# lost at M = 16 at N = K = 8192 (M = 17..63 not measured). int4 runs it up to M = 128
+# (docs/kernels-wo.md, v9).
+WS_MIN_M = {4: 12, 8: 64}
+
+
+def ws_default(spec: WeightSpec, m: int, capability: tuple[int, int]) -> bool:
+    """The warp-specialized build: tiled weights, M = WS_MIN_M[bits]..WGMMA_MAX_M, sm_90."""
+    return capability[0] == 9 and spec.tiled and WS_MIN_M[spec.dtype.bits] <= m <= WGMMA_MAX_M
+
+
+def ws_launch(m: int, n: int, sms: int) -> tuple[int, int]:
+    """(consumer warps per CTA, CTAs per SM) of the warp-specialized build on the H100's sweep
+    (docs/kernels-wo.md, v9): above M = 64, 2 warpgroups and one CTA per SM; otherwise 4 warpgroups
+    (256 rows) when N gives most SMs a column without a split (N = 28672: up to 1.2x faster there),
+    else one warpgroup and 2 CTAs per SM."""
+    if m > 64:
+        return 8, 1
+    if n >= 192 * sms:
+        return 16, 1
+    return 4, 2
 
 
 def max_m(spec: WeightSpec, capability: tuple[int, int]) -> int:
     """Largest M that the mma backend gives this kernel on a GPU of ``capability``."""
     if capability[0] != 9:
         return MAX_M
-    return SM90_MAX_M_INT4 if spec.dtype is QDtype.INT4 else WGMMA_MAX_M
+    return SM90_MAX_M_INT4 if spec.dtype is QDtype.INT4 and not spec.tiled else WGMMA_MAX_M
 
 
 def wgmma_launch(bits: int, m: int) -> tuple[int, int]:
@@ -93,10 +120,16 @@ class MmaConfig:
     wgmma: bool = False  # sm_90a: warpgroup MMAs, x streamed per chunk through shared memory
     xstages: int = 4  # wgmma: x chunks in flight (cp.async staging ring)
     minb: int = 1  # CTAs per SM that the register allocation must allow (__launch_bounds__)
+    ws: bool = False  # wgmma, warp-specialized: producer warps, mbarrier rings (`nstg` weight, `xstages` x slots)
+    nstg: int = 8
 
     @property
     def bits(self) -> int:
         return 4 if self.fmt in (0, 1) else 8
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps + (64 if self.ws else 0)
 
 
     def defines(self) -> str:
@@ -104,7 +137,7 @@ class MmaConfig:
                  ZP_T=self.zp_t, HAS_GS=int(self.has_gs), HAS_BIAS=int(self.has_bias), MT=self.mt,
                  STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), CLUSTER=self.cluster,
                  PDL=int(self.pdl), WGMMA=int(self.wgmma), XSTAGES=self.xstages,
-                 MINB=self.minb)
+                 MINB=self.minb, WS=int(self.ws), NSTG=self.nstg)
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -223,17 +256,19 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _kernel(cfg: MmaConfig, device: torch.device):
+def _kernel(cfg: MmaConfig, device: torch.device, name: str = "wo_mma"):
+    """The compiled ``name`` of ``cfg`` (``wo_mma``, or the warp-specialized build's ``x_prep``)."""
     idx = _index(device)
     key = (cfg, idx)
     if key not in _KERNELS:
         from torch.cuda._utils import _cuda_load_module
 
         major, minor = _capability(idx)
+        names = ["wo_mma", "x_prep"] if cfg.ws else ["wo_mma"]
         with torch.cuda.device(idx):
             cubin = compile_cubin(source(cfg), arch_of(cfg, major, minor))
-            _KERNELS[key] = _cuda_load_module(cubin, ["wo_mma"])["wo_mma"]
-    return _KERNELS[key]
+            _KERNELS[key] = _cuda_load_module(cubin, names)
+    return _KERNELS[key][name]
 
 
 # -- launch ----------------------------------------------------------------------------------------
@@ -383,14 +418,17 @@ def _max_active_clusters(kern, cfg: MmaConfig, smem: int) -> int:
     the kernel's cluster shape is compiled in); 0 if the driver cannot say."""
     from torch.cuda._utils import _get_gpu_runtime_library
 
-    conf = _LaunchConfig((1, cfg.cluster, 1), (32 * cfg.warps, 1, 1), smem, None, None, 0)
+    conf = _LaunchConfig((1, cfg.cluster, 1), (cfg.threads, 1, 1), smem, None, None, 0)
     n = ctypes.c_int(0)
     rc = _get_gpu_runtime_library().cuOccupancyMaxActiveClusters(ctypes.byref(n), kern.func, ctypes.byref(conf))
     return n.value if rc == 0 else 0
 
 
 def _smem(m: int, cps: int, cfg: MmaConfig) -> int:
-    smem = x_bytes(m, cps, cfg.bits, cfg.wgmma, cfg.xstages)
+    if cfg.ws:  # the rings: slots of one chunk of every consumer warp's 16 rows, and of x
+        smem = cfg.nstg * cfg.warps * 1024 + cfg.xstages * cfg.mt * 8 * KPC[cfg.bits] * 2
+    else:
+        smem = x_bytes(m, cps, cfg.bits, cfg.wgmma, cfg.xstages)
     if cfg.cluster > 1:  # the partials reuse x's shared memory: [M][warps * 16] fp32
         smem = max(smem, m * cfg.warps * 16 * 4)
     return smem
@@ -412,7 +450,7 @@ def _blocks_per_sm(kern, cfg: MmaConfig, smem: int) -> int:
 
     n = ctypes.c_int(0)
     rc = _get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(n), kern.func, 32 * cfg.warps, ctypes.c_size_t(smem))
+        ctypes.byref(n), kern.func, cfg.threads, ctypes.c_size_t(smem))
     return n.value if rc == 0 else 0
 
 
@@ -472,21 +510,35 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
            stages: int | None = None, warps: int | None = None, split: int | None = None,
            warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET,
            max_cluster: int = MAX_CLUSTER, pdl: bool | None = None, wgmma: bool | None = None,
-           xstages: int = 4, minb: int = 1) -> torch.Tensor:
+           xstages: int | None = None, minb: int = 1, ws: bool | None = None, nstg: int = 8) -> torch.Tensor:
     """x2 [M, K] contiguous bf16 (M <= :func:`max_m`) -> [M, N] bf16. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH` (8 warps per CTA), or
     :func:`wgmma_launch` for the wgmma build (default: :func:`wgmma_default`); splits up to
     ``max_cluster`` are reduced in a thread-block cluster (sm_90+), more through global memory
     (:func:`launch_plan`). ``pdl``: programmatic dependent launch (default: sm_90+ unless
-    ``QCOMPILE_PDL=0``). ``xstages`` / ``minb``: x chunks in flight and CTAs per SM (wgmma)."""
+    ``QCOMPILE_PDL=0``). ``xstages`` / ``minb``: x chunks in flight and CTAs per SM (wgmma).
+    ``ws``: the warp-specialized wgmma build (default: :func:`ws_default`; tiled weights; ``warps``
+    consumer warps plus two producers, ``nstg`` weight and ``xstages`` x slots; launch:
+    :func:`ws_launch`; x rearranged first by its ``x_prep`` kernel)."""
     packed = spec.tiled
     if pdl is None:
         pdl = _pdl_default(x2.device)
     cap = _capability(_index(x2.device))
-    if wgmma is None:
+    if ws is None:  # a caller's wgmma=True / False asks for that build
+        ws = wgmma is None and ws_default(spec, x2.shape[0], cap)
+    if wgmma is None and not ws:
         wgmma = wgmma_default(x2.shape[0], cap)
-    if wgmma:
+    if ws:
+        if not packed or cap[0] != 9 or x2.shape[0] > WGMMA_MAX_M:
+            raise ValueError(f"wo_mma: the warp-specialized build streams tiled weights on an sm_90 GPU, M <= "
+                             f"{WGMMA_MAX_M}; have tiled={packed}, sm_{cap[0]}{cap[1]}, M = {x2.shape[0]}")
+        d_warps, d_per_sm = ws_launch(x2.shape[0], weight.shape[0], _sm_count(x2.device))
+        warps = warps or d_warps
+        if warps_per_sm is None:
+            warps_per_sm, minb = d_per_sm * warps, max(minb, d_per_sm)
+        wgmma, xstages = True, xstages or (3 if warps >= 16 else 4)
+    elif wgmma:
         if cap[0] != 9 or x2.shape[0] > WGMMA_MAX_M:
             raise ValueError(f"wo_mma: the wgmma build needs an sm_90 GPU and M <= {WGMMA_MAX_M}, "
                              f"have sm_{cap[0]}{cap[1]} and M = {x2.shape[0]}")
@@ -494,6 +546,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
         warps, warps_per_sm = warps or d_warps, warps_per_sm or d_wps
     elif x2.shape[0] > MAX_M:
         raise ValueError(f"wo_mma: the mma.sync build takes M <= {MAX_M}, have M = {x2.shape[0]}")
+    xstages = xstages or 4
     warps = warps or 8
     d_stages, d_wps = LAUNCH[packed]
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
@@ -504,7 +557,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
     base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
                      zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, pdl=pdl,
-                     wgmma=wgmma, xstages=xstages, minb=minb)
+                     wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg)
     cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm, smem_budget,
                                                      max_cluster)
     gran = spec.scale.granularity
@@ -520,7 +573,14 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     counters = _counters(x2.device, cols) if global_split else out
     w = weight.contiguous().view(torch.int32)
     dummy = out
-    _launch(kern, (cols, nsplit, 1), (32 * warps, 1, 1), smem, cfg.pdl,
+    if ws:  # x as the B operand, chunk by chunk (wo_mma.cu: x_prep)
+        kpc = KPC[cfg.bits]
+        xp = torch.empty((k // kpc) * mt * 8 * kpc, dtype=torch.bfloat16, device=x2.device)
+        tasks = (k // kpc) * mt * 8 * (kpc // 32)
+        _launch(_kernel(cfg, x2.device, "x_prep"), (-(-tasks // 256), 1, 1), (256, 1, 1), 0, cfg.pdl,
+                [x2, xp, m, k])
+        x2 = xp
+    _launch(kern, (cols, nsplit, 1), (cfg.threads, 1, 1), smem, cfg.pdl,
             [x2, w, s, zero_point.contiguous() if zero_point is not None else dummy,
              global_scale.float().reshape(1) if global_scale is not None else dummy,
              bias.to(torch.bfloat16).contiguous() if bias is not None else dummy,

@@ -102,6 +102,18 @@ def test_wgmma_selection_and_shared_memory():
     assert not any(wo_mma.wgmma_default(m, cap) for m in (25, 32, 64) for cap in ((8, 0), (10, 0), (12, 0)))
     assert {name: wo_mma.max_m(SPECS[name], (9, 0)) for name in ("int4_g128", "int8_channel_packed", "nvfp4")} \
         == {"int4_g128": 96, "int8_channel_packed": 128, "nvfp4": 128}
+    # tiled weights: the warp-specialized build from M = 12 (4-bit) / 64 (8-bit), int4 up to 128
+    tiled = {name: replace(SPECS[name], tiled=True) for name in MMA_NAMES}
+    assert wo_mma.max_m(tiled["int4_g128"], (9, 0)) == 128
+    assert [m for m in range(1, 130) if wo_mma.ws_default(tiled["nvfp4"], m, (9, 0))] == list(range(12, 129))
+    assert [m for m in range(1, 130) if wo_mma.ws_default(tiled["mxfp8"], m, (9, 0))] == list(range(64, 129))
+    assert {name for name in MMA_NAMES if wo_mma.ws_default(tiled[name], 32, (9, 0))} == {
+        name for name in MMA_NAMES if SPECS[name].dtype.bits == 4}
+    assert not any(wo_mma.ws_default(SPECS[name], 64, (9, 0)) for name in MMA_NAMES)  # not tiled
+    assert not any(wo_mma.ws_default(tiled["int4_g128"], 64, cap) for cap in ((8, 0), (10, 0), (12, 0)))
+    # its launch: 2 warpgroups above M = 64; 4 when N fills most SMs without a split; else 1, 2 per SM
+    assert [wo_mma.ws_launch(m, n, 132) for m, n in ((12, 8192), (64, 8192), (64, 28672), (65, 28672), (128, 4096))] \
+        == [(4, 2), (4, 2), (16, 1), (8, 1), (8, 1)]
     assert {wo_mma.max_m(SPECS[name], cap) for name in MMA_NAMES for cap in ((8, 0), (10, 0), (12, 0))} == {32}
     # launch: 16 warps, one CTA per SM; 8 for 4-bit weights above M = 64 (16 spilled there)
     assert [wo_mma.wgmma_launch(4, m) for m in (25, 64, 65, 128)] == [(16, 16), (16, 16), (8, 8), (8, 8)]
@@ -113,6 +125,10 @@ def test_wgmma_selection_and_shared_memory():
     assert wo_mma.plan(32, 28672, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16, wgmma=True)[1] == 1
     assert wo_mma.plan(32, 28672, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16)[1] == 7
     assert wo_mma.plan(32, 8192, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16, wgmma=True)[1] == 4
+    # the warp-specialized build's rings: 8 weight slots of 1 KB per warp, 4 x slots of one chunk
+    cfg = wo_mma.MmaConfig(0, 0, 2, 128, False, "int", False, False, 8, warps=4, wgmma=True, ws=True, packed=True)
+    assert cfg.threads == 192 and wo_mma._smem(64, 32, cfg) == 8 * 4 * 1024 + 4 * 64 * 128 * 2
+    assert wo_mma._smem(64, 32, replace(cfg, cluster=2)) == wo_mma._smem(64, 32, cfg)  # partials fit the rings
 
 
 NVRTC = os.environ.get("QCOMPILE_NVRTC")
@@ -120,15 +136,16 @@ NVRTC = os.environ.get("QCOMPILE_NVRTC")
 
 @pytest.mark.skipif(not NVRTC and not HAS_CUDA, reason="needs an NVRTC library (QCOMPILE_NVRTC) or a GPU")
 @pytest.mark.parametrize("name", MMA_NAMES)
-@pytest.mark.parametrize("mt,cluster,pdl,wgmma,arch", [(1, 1, True, False, "90"), (2, 8, False, False, "90"),
-                                                        (4, 4, True, False, "90"), (1, 1, True, False, "80"),
-                                                        (8, 1, True, True, "90"), (16, 4, True, True, "90")])
-def test_source_compiles(name, mt, cluster, pdl, wgmma, arch):
+@pytest.mark.parametrize("mt,cluster,pdl,wgmma,arch,ws", [
+    (1, 1, True, False, "90", False), (2, 8, False, False, "90", False), (4, 4, True, False, "90", False),
+    (1, 1, True, False, "80", False), (8, 1, True, True, "90", False), (16, 4, True, True, "90", False),
+    (3, 2, True, True, "90", True), (16, 1, False, True, "90", True)])
+def test_source_compiles(name, mt, cluster, pdl, wgmma, arch, ws):
     spec = SPECS[name]
     smode, group = wo_mma.scale_mode(spec, wgmma)
     cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
                            spec.zero_point, "int", spec.global_scale, True, mt, warps=8, cluster=cluster, pdl=pdl,
-                           wgmma=wgmma)
+                           wgmma=wgmma, packed=ws, ws=ws)
     cubin = wo_mma.compile_cubin(wo_mma.source(cfg), wo_mma.arch_of(cfg, int(arch[0]), int(arch[1])))
     assert cubin[:4] == b"\x7fELF"
 
@@ -198,6 +215,37 @@ def test_gpu_wgmma_matches_reference(name, n, k):
             _check(out, case, k, f"{name} M={m} wgmma {kw}")
             if m in (17, 100):
                 assert torch.equal(out, wo_mma.wo_mma(*args, wgmma=True, **kw))
+
+
+WS_MS = (1, 16, 17, 33, 64, 100, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (wgmma)")
+@pytest.mark.parametrize("n,k", GPU_NK, ids=str)
+@pytest.mark.parametrize("name", MMA_NAMES)
+def test_gpu_ws_matches_reference(name, n, k):
+    """The warp-specialized wgmma build (producer warp, mbarrier ring, x rearranged by x_prep) against
+    the reference at the wgmma build's tolerance: ring depths, warpgroups per CTA, splits reduced in a
+    cluster and through global memory, N not a multiple of the CTA's rows (4112); deterministic."""
+    spec = SPECS[name]
+    if k % wo_mma.chunk_k(spec) or k % max(spec.scale.group_size, 1):
+        pytest.skip("shape not a multiple of the chunk / group")
+    for i, m in enumerate(WS_MS):
+        case = _gpu_case(name, m, n, k, torch.bfloat16, seed=i)
+        zp = case["weight_zero_point"]
+        if wo_mma.mma_reason(spec, n, k, zp_dtype=None if zp is None else zp.dtype):
+            pytest.skip(wo_mma.mma_reason(spec, n, k, zp_dtype=zp.dtype))
+        sp = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
+        args = (case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"],
+                case["weight_global_scale"], case["weight_zero_point"], case["bias"], sp)
+        variants = (dict(), (dict(split=3, max_cluster=1, nstg=2), dict(split=4, warps=4, nstg=6, xstages=2),
+                             dict(split=1, warps=16, nstg=3))[i % 3])
+        for kw in variants:
+            out = wo_mma.wo_mma(*args, ws=True, **kw)
+            _check(out, case, k, f"{name} M={m} ws {kw}")
+            if m in (17, 100):
+                assert torch.equal(out, wo_mma.wo_mma(*args, ws=True, **kw))
 
 
 @pytest.mark.gpu
