@@ -199,10 +199,17 @@ def test_gpu_wgmma_matches_reference(name, n, k):
     """The wgmma build (x streamed per chunk, group scales in bf16 before the MMA), tiled weights,
     M up to 128, against the same tolerance as the mma.sync build; forced splits through a cluster
     and through global memory."""
+    _tiled_build_matches(name, n, k, WGMMA_MS, dict(wgmma=True),
+                         (dict(split=3, max_cluster=1), dict(split=4, warps=16), dict(split=1, stages=4)))
+
+
+def _tiled_build_matches(name, n, k, ms, build, variants):
+    """wo_mma with ``build`` (its keywords) on tiled weights against the reference, for each M in
+    ``ms``: the default launch and one of ``variants`` in turn; M = 17 and 100 twice, bit-identical."""
     spec = SPECS[name]
     if k % wo_mma.chunk_k(spec) or k % max(spec.scale.group_size, 1):
         pytest.skip("shape not a multiple of the chunk / group")
-    for i, m in enumerate(WGMMA_MS):
+    for i, m in enumerate(ms):
         case = _gpu_case(name, m, n, k, torch.bfloat16, seed=i)
         zp = case["weight_zero_point"]
         if wo_mma.mma_reason(spec, n, k, zp_dtype=None if zp is None else zp.dtype):
@@ -210,11 +217,11 @@ def test_gpu_wgmma_matches_reference(name, n, k):
         sp = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
         args = (case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"],
                 case["weight_global_scale"], case["weight_zero_point"], case["bias"], sp)
-        for kw in (dict(), (dict(split=3, max_cluster=1), dict(split=4, warps=16), dict(split=1, stages=4))[i % 3]):
-            out = wo_mma.wo_mma(*args, wgmma=True, **kw)
-            _check(out, case, k, f"{name} M={m} wgmma {kw}")
+        for kw in (dict(), variants[i % len(variants)]):
+            out = wo_mma.wo_mma(*args, **build, **kw)
+            _check(out, case, k, f"{name} M={m} {build} {kw}")
             if m in (17, 100):
-                assert torch.equal(out, wo_mma.wo_mma(*args, wgmma=True, **kw))
+                assert torch.equal(out, wo_mma.wo_mma(*args, **build, **kw))
 
 
 WS_MS = (1, 16, 17, 33, 64, 100, 128)
@@ -225,27 +232,13 @@ WS_MS = (1, 16, 17, 33, 64, 100, 128)
 @pytest.mark.parametrize("n,k", GPU_NK, ids=str)
 @pytest.mark.parametrize("name", MMA_NAMES)
 def test_gpu_ws_matches_reference(name, n, k):
-    """The warp-specialized wgmma build (producer warp, mbarrier ring, x rearranged by x_prep) against
-    the reference at the wgmma build's tolerance: ring depths, warpgroups per CTA, splits reduced in a
-    cluster and through global memory, N not a multiple of the CTA's rows (4112); deterministic."""
-    spec = SPECS[name]
-    if k % wo_mma.chunk_k(spec) or k % max(spec.scale.group_size, 1):
-        pytest.skip("shape not a multiple of the chunk / group")
-    for i, m in enumerate(WS_MS):
-        case = _gpu_case(name, m, n, k, torch.bfloat16, seed=i)
-        zp = case["weight_zero_point"]
-        if wo_mma.mma_reason(spec, n, k, zp_dtype=None if zp is None else zp.dtype):
-            pytest.skip(wo_mma.mma_reason(spec, n, k, zp_dtype=zp.dtype))
-        sp = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
-        args = (case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"],
-                case["weight_global_scale"], case["weight_zero_point"], case["bias"], sp)
-        variants = (dict(), (dict(split=3, max_cluster=1, nstg=2), dict(split=4, warps=4, nstg=6, xstages=2),
-                             dict(split=1, warps=16, nstg=3))[i % 3])
-        for kw in variants:
-            out = wo_mma.wo_mma(*args, ws=True, **kw)
-            _check(out, case, k, f"{name} M={m} ws {kw}")
-            if m in (17, 100):
-                assert torch.equal(out, wo_mma.wo_mma(*args, ws=True, **kw))
+    """The warp-specialized wgmma build (producer warps, mbarrier rings, x rearranged by x_prep)
+    against the reference at the wgmma build's tolerance: ring depths, warpgroups per CTA, splits
+    reduced in a cluster and through global memory, N not a multiple of the CTA's rows (4112);
+    deterministic."""
+    _tiled_build_matches(name, n, k, WS_MS, dict(ws=True),
+                         (dict(split=3, max_cluster=1, nstg=2), dict(split=4, warps=4, nstg=6, xstages=2),
+                          dict(split=1, warps=16, nstg=3)))
 
 
 @pytest.mark.gpu
