@@ -526,12 +526,15 @@ __device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int 
 #else
 #define LBOUNDS __launch_bounds__(NTHR)  // (an explicit 1 lets the compiler use more registers)
 #endif
+// The one launch ABI of both builds (wo_mma.py passes the same arguments to either).
+#define WO_MMA_KERNEL                                                                                  \
+  extern "C" __global__ void KATTR LBOUNDS wo_mma(                                                    \
+      const u16* __restrict__ x, const u32* __restrict__ w, const void* __restrict__ s,               \
+      const ZP_T* __restrict__ zp, const float* __restrict__ gs, const u16* __restrict__ bias,        \
+      u16* __restrict__ out, float* __restrict__ part, int* __restrict__ counters, int M, int N, int K, \
+      int ss, int cps)
 #if !WS
-extern "C" __global__ void KATTR LBOUNDS
-wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restrict__ s,
-       const ZP_T* __restrict__ zp, const float* __restrict__ gs, const u16* __restrict__ bias,
-       u16* __restrict__ out, float* __restrict__ part, int* __restrict__ counters,
-       int M, int N, int K, int ss, int cps) {
+WO_MMA_KERNEL {
   extern __shared__ __align__(16) unsigned char xs[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane >> 2, q = lane & 3;
@@ -766,11 +769,7 @@ extern "C" __global__ void __launch_bounds__(256) x_prep(const u16* __restrict__
 
 // `x` is x_prep's output. Warps 0 .. WARPS - 1 consume (warp w: rows 16 (blockIdx.x WARPS + w) ..
 // + 15, wgmma per warpgroup), warp WARPS copies the weights, warp WARPS + 1 x.
-extern "C" __global__ void KATTR LBOUNDS
-wo_mma(const u16* __restrict__ x, const u32* __restrict__ w, const void* __restrict__ s,
-       const ZP_T* __restrict__ zp, const float* __restrict__ gs, const u16* __restrict__ bias,
-       u16* __restrict__ out, float* __restrict__ part, int* __restrict__ counters,
-       int M, int N, int K, int ss, int cps) {
+WO_MMA_KERNEL {
   extern __shared__ __align__(128) unsigned char xs[];
   // weights: full[NSTG], empty[NSTG]; x: full[XSTAGES], empty[XSTAGES]
   __shared__ __align__(8) unsigned long long bars[2 * NSTG + 2 * XSTAGES];
