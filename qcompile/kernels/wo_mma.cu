@@ -743,8 +743,9 @@ WO_MMA_KERNEL {
 }
 #else  // WS
 // x [M, K] -> xp: for each chunk, x as the wgmma build's B operand (XBUF bytes, see x_transform),
-// tokens M .. 8 MT - 1 zero. Task t: token (t % 8) + 8 ((t / 8) % MT), unit (t / (8 MT)) % UNITS,
-// chunk t / (8 MT UNITS): consecutive threads write consecutive 16-byte rows of a core matrix.
+// tokens M .. 8 MT - 1 zero. Task t: unit t % UNITS, token (t / UNITS) % (8 MT), chunk
+// t / (8 MT UNITS): the 4 tasks of a token read 64 consecutive bytes of each of its 4 runs, and for
+// each unit the 8 tokens of a core matrix write its 128 consecutive bytes.
 extern "C" __global__ void __launch_bounds__(256) x_prep(const u16* __restrict__ x, u16* __restrict__ xp, int M,
                                                          int K) {
 #if PDL && __CUDA_ARCH__ >= 900
@@ -753,7 +754,7 @@ extern "C" __global__ void __launch_bounds__(256) x_prep(const u16* __restrict__
 #endif
   const int t = blockIdx.x * blockDim.x + threadIdx.x, per = MT * 8 * UNITS;
   if (t >= (K / KPC) * per) return;
-  const int ch = t / per, m = (t & 7) + 8 * ((t >> 3) % MT), u = (t / (8 * MT)) % UNITS;
+  const int ch = t / per, u = t % UNITS, m = (t / UNITS) % (MT * 8);
   U4 w[4];
 #pragma unroll
   for (int qq = 0; qq < 4; qq++) {
