@@ -258,6 +258,7 @@ def mma_sweep(args, g):
                     except Exception as e:  # noqa: BLE001
                         err, t = None, f"fails: {type(e).__name__}: {str(e).splitlines()[0][:150]}"
                     key = f"{shape} {name} M={m} {v}"
+                    key += f" #{sum(o.startswith(key) for o in out) + 1}" if key in out else ""  # repeated rounds
                     out[key] = {"us": t, "rel_err": err}
                     print(key, out[key], flush=True)
             del qs

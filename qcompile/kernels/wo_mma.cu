@@ -34,12 +34,17 @@
 //    x_prep), and the consumer warpgroups wait only on their own slots: no CTA barrier per chunk.
 //  * PDL (sm_90, programmatic dependent launch): the first weight chunks are requested before
 //    griddepcontrol.wait, so they overlap the previous kernel's tail; x, the outputs, the partials
-//    and the counters are touched only after it.
+//    and the counters are touched only after it. With TRIG the kernel lets the next one launch at
+//    its start (griddepcontrol.launch_dependents; x_prep before its own wait), so the next call's
+//    CTAs take the SMs that this call's early finishers leave and request their weights there;
+//    without it, after the main loop. Warps with nothing to do before the previous kernel has
+//    completed block in griddepcontrol.wait rather than spin on an mbarrier.
 //
 // Compile-time configuration (#defines prepended by wo_mma.py): FMT, SK, SMODE, GROUP, HAS_ZP,
 // ZP_T, HAS_GS, HAS_BIAS, MT (8-token tiles), STAGES (chunks in flight per warp), WARPS, PACKED
-// (tiled words), CLUSTER (splits in one cluster), PDL, WGMMA, XSTAGES (x chunks in flight, wgmma), MINB
-// (CTAs per SM the registers must allow), WS (the warp-specialized build), NSTG (its weight slots).
+// (tiled words), CLUSTER (splits in one cluster), PDL, TRIG (early launch_dependents), WGMMA, XSTAGES
+// (x chunks in flight, wgmma), MINB (CTAs per SM the registers must allow), WS (the warp-specialized
+// build), NSTG (its weight slots).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -576,6 +581,9 @@ WO_MMA_KERNEL {
 #endif
 
 #if PDL && __CUDA_ARCH__ >= 900
+#if TRIG
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   // launched with programmatic stream serialization: the weight loads above may overlap the
   // previous kernel; x and every output buffer are touched only after it has completed
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -730,7 +738,7 @@ WO_MMA_KERNEL {
     }
   }
 #endif
-#if PDL && __CUDA_ARCH__ >= 900
+#if PDL && !TRIG && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next kernel may start launching
 #endif
 #if SMODE == SMODE_END
@@ -749,8 +757,13 @@ WO_MMA_KERNEL {
 extern "C" __global__ void __launch_bounds__(256) x_prep(const u16* __restrict__ x, u16* __restrict__ xp, int M,
                                                          int K) {
 #if PDL && __CUDA_ARCH__ >= 900
+#if TRIG
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#else
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 #endif
   const int t = blockIdx.x * blockDim.x + threadIdx.x, per = MT * 8 * UNITS;
   if (t >= (K / KPC) * per) return;
@@ -793,6 +806,9 @@ WO_MMA_KERNEL {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+#if PDL && TRIG && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
   float acc[MT][4];
 #pragma unroll
@@ -811,6 +827,9 @@ WO_MMA_KERNEL {
     const u32* wt = w + (size_t)min(tile0 + lane, ntile - 1) * nch * 256 + (size_t)c0 * 256;
     for (int i = 0; i < nc; i++) {
       const int st = i % NSTG;
+#if PDL && __CUDA_ARCH__ >= 900
+      if (i == NSTG) asm volatile("griddepcontrol.wait;" ::: "memory");  // ring full: block rather than spin
+#endif
       if (i >= NSTG) mbar_wait(wempty + 8 * st, ((i / NSTG) - 1) & 1);
       if (lane == 0) mbar_expect_tx(wfull + 8 * st, WSTAGE);
       __syncwarp();
@@ -843,6 +862,9 @@ WO_MMA_KERNEL {
     if (nc > 1) kc[1] = chunk_consts(c0 + 1, q, sra, srb, s, zp);
     u32 af[2][KPC / 16][4];
     const u32 wlane = wring + warp * 1024 + lane * 16;
+#if PDL && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // x comes after it: block rather than spin
+#endif
     for (int i0 = 0; i0 < nc; i0 += 2) {
 #pragma unroll
       for (int p = 0; p < 2; p++) {
@@ -881,7 +903,9 @@ WO_MMA_KERNEL {
 #endif
   }
 #if PDL && __CUDA_ARCH__ >= 900
+#if !TRIG
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   asm volatile("griddepcontrol.wait;" ::: "memory");  // before any output, partial or counter
 #endif
   store_out(acc, active, warp, n0, gs, bias, out, part, counters, M, N, xs);

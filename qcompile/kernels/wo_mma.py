@@ -63,11 +63,42 @@ SM90_MAX_M_INT4 = 96
 # lost at M = 16 at N = K = 8192 (M = 17..63 not measured). int4 runs it up to M = 128
 # (docs/kernels-wo.md, v9).
 WS_MIN_M = {4: 12, 8: 64}
+# Below WS_MIN_M, 4-bit weights wide enough for its one-column-per-SM launch (ws_launch: 16 warps, no
+# split) still take the warp-specialized build when the mma.sync build's x slice (all M rows of its
+# CTA's K range, staged before the first MMA) would leave fewer than 4 of its CTAs (32 warps) on an SM.
+# H100, us, mma.sync vs warp-specialized (docs/kernels-wo.md, v12): 28672x8192 M = 6 (52 KB) 52 vs 58,
+# M = 8 (70 KB) int4 70 vs 58, NVFP4 78 vs 65; 57344x8192 M = 4 119 vs 114, M = 6 103 vs 114, M = 8
+# NVFP4 134 vs 129 (int4 113 vs 115). At N = 8192 (4 consumer warps, split K) it lost: 8192x28672 M = 8
+# NVFP4 71 vs 91.
+SM90_SMEM_PER_SM = 228 * 1024
 
 
-def ws_default(spec: WeightSpec, m: int, capability: tuple[int, int]) -> bool:
-    """The warp-specialized build: tiled weights, M = WS_MIN_M[bits]..WGMMA_MAX_M, sm_90."""
-    return capability[0] == 9 and spec.tiled and WS_MIN_M[spec.dtype.bits] <= m <= WGMMA_MAX_M
+def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, int], sms: int) -> bool:
+    """The warp-specialized build: tiled weights on sm_90, M = WS_MIN_M[bits]..WGMMA_MAX_M, or smaller M
+    of wide 4-bit weights whose mma.sync x slice would crowd out that build's CTAs."""
+    if capability[0] != 9 or not spec.tiled or m > WGMMA_MAX_M:
+        return False
+    bits = spec.dtype.bits
+    if m >= WS_MIN_M[bits]:
+        return True
+    if bits != 4 or ws_launch(m, n, sms) != (16, 1):
+        return False
+    stages, warps_per_sm = LAUNCH[True]
+    cps = plan(m, n, k, bits, 8, stages, sms, warps_per_sm=warps_per_sm)[2]
+    return x_bytes(m, cps, bits) > SM90_SMEM_PER_SM // 4
+
+
+def trig_default(tiled: bool, wgmma: bool, ws: bool, m: int, k: int) -> bool:
+    """Early launch_dependents (TRIG): the next call's CTAs take the SMs this call's first finishers
+    leave. Same-call A/B on the H100 over 7 shapes (docs/kernels-wo.md, v12): the mma.sync build on tiled
+    weights 0-1.7 us faster at every shape and M measured; the warp-specialized build 0.3-4.5 us faster,
+    except at K > 8192 with M > 16 (4096x14336 M = 32 / 64: 2-2.5 us slower, cause not found;
+    8192x28672 M = 64 / 128 no better). Kept after the main loop where it lost: canonical words in the
+    mma.sync build (8192^2 NVFP4 M = 1: 31.7 vs 27.9) and the lock-step wgmma build (MXFP8 M = 32: 50.6
+    vs 41.4)."""
+    if ws:
+        return not (m > 16 and k > 8192)
+    return tiled and not wgmma
 
 
 def ws_launch(m: int, n: int, sms: int) -> tuple[int, int]:
@@ -122,6 +153,7 @@ class MmaConfig:
     minb: int = 1  # CTAs per SM that the register allocation must allow (__launch_bounds__)
     ws: bool = False  # wgmma, warp-specialized: producer warps, mbarrier rings (`nstg` weight, `xstages` x slots)
     nstg: int = 8
+    trig: bool = False  # PDL: the next kernel may launch from this one's start (else after the main loop)
 
     @property
     def bits(self) -> int:
@@ -137,7 +169,7 @@ class MmaConfig:
                  ZP_T=self.zp_t, HAS_GS=int(self.has_gs), HAS_BIAS=int(self.has_bias), MT=self.mt,
                  STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), CLUSTER=self.cluster,
                  PDL=int(self.pdl), WGMMA=int(self.wgmma), XSTAGES=self.xstages,
-                 MINB=self.minb, WS=int(self.ws), NSTG=self.nstg)
+                 MINB=self.minb, WS=int(self.ws), NSTG=self.nstg, TRIG=int(self.trig))
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -510,7 +542,8 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
            stages: int | None = None, warps: int | None = None, split: int | None = None,
            warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET,
            max_cluster: int = MAX_CLUSTER, pdl: bool | None = None, wgmma: bool | None = None,
-           xstages: int | None = None, minb: int = 1, ws: bool | None = None, nstg: int = 8) -> torch.Tensor:
+           xstages: int | None = None, minb: int = 1, ws: bool | None = None, nstg: int = 8,
+           trig: bool | None = None) -> torch.Tensor:
     """x2 [M, K] contiguous bf16 (M <= :func:`max_m`) -> [M, N] bf16. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH` (8 warps per CTA), or
@@ -520,13 +553,14 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     ``QCOMPILE_PDL=0``). ``xstages`` / ``minb``: x chunks in flight and CTAs per SM (wgmma).
     ``ws``: the warp-specialized wgmma build (default: :func:`ws_default`; tiled weights; ``warps``
     consumer warps plus two producers, ``nstg`` weight and ``xstages`` x slots; launch:
-    :func:`ws_launch`; x rearranged first by its ``x_prep`` kernel)."""
+    :func:`ws_launch`; x rearranged first by its ``x_prep`` kernel). ``trig``: with PDL, let the next
+    kernel launch from this one's start (default: :func:`trig_default`)."""
     packed = spec.tiled
     if pdl is None:
         pdl = _pdl_default(x2.device)
     cap = _capability(_index(x2.device))
     if ws is None:  # a caller's wgmma=True / False asks for that build
-        ws = wgmma is None and ws_default(spec, x2.shape[0], cap)
+        ws = wgmma is None and ws_default(spec, x2.shape[0], weight.shape[0], x2.shape[1], cap, _sm_count(x2.device))
     if wgmma is None and not ws:
         wgmma = wgmma_default(x2.shape[0], cap)
     if ws:
@@ -553,11 +587,13 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     m, k = x2.shape
     n = weight.shape[0]
     mt = -(-m // 8)
+    if trig is None:
+        trig = trig_default(packed, wgmma, ws, m, k)
     smode, group = scale_mode(spec, wgmma)
     zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
     base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
                      zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, pdl=pdl,
-                     wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg)
+                     wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg, trig=trig)
     cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm, smem_budget,
                                                      max_cluster)
     gran = spec.scale.granularity

@@ -105,12 +105,28 @@ def test_wgmma_selection_and_shared_memory():
     # tiled weights: the warp-specialized build from M = 12 (4-bit) / 64 (8-bit), int4 up to 128
     tiled = {name: replace(SPECS[name], tiled=True) for name in MMA_NAMES}
     assert wo_mma.max_m(tiled["int4_g128"], (9, 0)) == 128
-    assert [m for m in range(1, 130) if wo_mma.ws_default(tiled["nvfp4"], m, (9, 0))] == list(range(12, 129))
-    assert [m for m in range(1, 130) if wo_mma.ws_default(tiled["mxfp8"], m, (9, 0))] == list(range(64, 129))
-    assert {name for name in MMA_NAMES if wo_mma.ws_default(tiled[name], 32, (9, 0))} == {
-        name for name in MMA_NAMES if SPECS[name].dtype.bits == 4}
-    assert not any(wo_mma.ws_default(SPECS[name], 64, (9, 0)) for name in MMA_NAMES)  # not tiled
-    assert not any(wo_mma.ws_default(tiled["int4_g128"], 64, cap) for cap in ((8, 0), (10, 0), (12, 0)))
+    ws = lambda name, m, cap=(9, 0), n=8192, k=8192: wo_mma.ws_default(tiled.get(name, SPECS[name]), m, n, k, cap, 132)  # noqa: E731
+    assert [m for m in range(1, 130) if ws("nvfp4", m)] == list(range(12, 129))
+    assert [m for m in range(1, 130) if ws("mxfp8", m)] == list(range(64, 129))
+    assert {name for name in MMA_NAMES if ws(name, 32)} == {name for name in MMA_NAMES if SPECS[name].dtype.bits == 4}
+    assert not any(wo_mma.ws_default(SPECS[name], 64, 8192, 8192, (9, 0), 132) for name in MMA_NAMES)  # not tiled
+    assert not any(ws("int4_g128", 64, cap) for cap in ((8, 0), (10, 0), (12, 0)))
+    # below M = 12, wide 4-bit weights (one 16-warp column per SM) whose mma.sync x slice (M rows of the
+    # CTA's K range) would leave fewer than 4 of its CTAs on an SM: N = 28672, K = 8192 from M = 7
+    # (M = 8: 70 KB; M = 6: 52 KB)
+    assert [m for m in range(1, 12) if ws("int4_g128", m, n=28672)] == [7, 8, 9, 10, 11]
+    assert wo_mma.x_bytes(6, 32, 4) < wo_mma.SM90_SMEM_PER_SM // 4 < wo_mma.x_bytes(7, 32, 4)
+    assert [m for m in range(1, 9) if ws("nvfp4", m, n=57344)] == [4, 5, 7, 8]  # M = 6: split 2, 52 KB
+    assert not any(ws(name, m, n=n, k=k) for name in ("int4_g128", "nvfp4") for m in range(1, 12)
+                   for n, k in ((8192, 8192), (28672, 4096), (4096, 14336), (14336, 4096), (8192, 28672)))
+    assert not any(ws("int8_channel_packed", m, n=28672) for m in range(1, 64))
+    # early launch_dependents: the mma.sync build on tiled weights; the warp-specialized one but at M > 16
+    # with K > 8192; not the lock-step wgmma build, nor canonical words
+    trig = wo_mma.trig_default
+    assert [trig(True, False, False, m, k) for m, k in ((1, 8192), (32, 28672))] == [True, True]
+    assert not trig(False, False, False, 1, 8192) and not trig(True, True, False, 32, 8192)
+    assert [trig(True, True, True, m, k) for m, k in ((64, 8192), (16, 14336), (17, 14336), (128, 4096))] \
+        == [True, True, False, True]
     # its launch: 2 warpgroups above M = 64; 4 when N fills most SMs without a split; else 1, 2 per SM
     assert [wo_mma.ws_launch(m, n, 132) for m, n in ((12, 8192), (64, 8192), (64, 28672), (65, 28672), (128, 4096))] \
         == [(4, 2), (4, 2), (16, 1), (8, 1), (8, 1)]
@@ -140,12 +156,13 @@ NVRTC = os.environ.get("QCOMPILE_NVRTC")
     (1, 1, True, False, "90", False), (2, 8, False, False, "90", False), (4, 4, True, False, "90", False),
     (1, 1, True, False, "80", False), (8, 1, True, True, "90", False), (16, 4, True, True, "90", False),
     (3, 2, True, True, "90", True), (16, 1, False, True, "90", True)])
-def test_source_compiles(name, mt, cluster, pdl, wgmma, arch, ws):
+@pytest.mark.parametrize("trig", [False, True])
+def test_source_compiles(name, mt, cluster, pdl, wgmma, arch, ws, trig):
     spec = SPECS[name]
     smode, group = wo_mma.scale_mode(spec, wgmma)
     cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
                            spec.zero_point, "int", spec.global_scale, True, mt, warps=8, cluster=cluster, pdl=pdl,
-                           wgmma=wgmma, packed=ws, ws=ws)
+                           wgmma=wgmma, packed=ws, ws=ws, trig=trig)
     cubin = wo_mma.compile_cubin(wo_mma.source(cfg), wo_mma.arch_of(cfg, int(arch[0]), int(arch[1])))
     assert cubin[:4] == b"\x7fELF"
 
@@ -368,10 +385,12 @@ def test_gpu_mma_cuda_graph():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("name", ["int4_g128", "nvfp4"])
 @pytest.mark.parametrize("m,max_cluster", [(1, 1), (16, 8), (5, 8), (28, 8)])
-def test_gpu_mma_pdl_chain(name, m, max_cluster):
+@pytest.mark.parametrize("trig", [False, True])
+def test_gpu_mma_pdl_chain(name, m, max_cluster, trig):
     """Each call's input is the previous call's output (back to back, or through another kernel),
     captured in one CUDA graph: with programmatic dependent launch the kernel must still wait for
-    its input, so the chain equals the one launched without it, bit for bit, and eager."""
+    its input, so the chain equals the one launched without it, bit for bit, and eager; also when
+    the next call may launch from the start of this one (``trig``)."""
     n = k = 4096
     case = _gpu_case(name, m, n, k, torch.bfloat16, seed=11)
     spec = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
@@ -381,7 +400,7 @@ def test_gpu_mma_pdl_chain(name, m, max_cluster):
         x = case["x"]
         for i in range(9):
             y = wo_mma.wo_mma(x, w, case["weight_scale"], case["weight_global_scale"], case["weight_zero_point"],
-                              None, spec, max_cluster=max_cluster, pdl=pdl)
+                              None, spec, max_cluster=max_cluster, pdl=pdl, trig=trig)
             x = y if i % 3 else y / y.float().norm(dim=-1, keepdim=True).clamp_min(1e-6).bfloat16() * 64
         return x
 
