@@ -5,9 +5,10 @@ m16n8k16, bf16) fed with weights decoded in registers, from the canonical checkp
 tiled one (quant_math.tile_words), x in shared memory, split-K reduced inside a thread-block cluster
 (sm_90, up to 8 splits whose clusters all fit on the GPU at once) or by the last CTA of each column.
 On sm_90 it is launched with programmatic dependent launch (cuLaunchKernelEx): its first weight
-loads overlap the previous kernel's tail (``QCOMPILE_PDL=0`` turns this off). On sm_90, tiled
-weights from M = 12 (4-bit) / 64 (8-bit) up to 128 run its warp-specialized wgmma build (producer
-warps, mbarrier rings, :func:`ws_default`); other M = 25..128 (25..96 for int4 weights not tiled,
+loads overlap the previous kernel's tail, and where that measured faster it lets the next kernel
+launch from its own start (:func:`trig_default`; ``QCOMPILE_PDL=0`` turns PDL off). On sm_90, tiled
+weights from M = 12 (4-bit; smaller M for wide ones, :func:`ws_default`) / 64 (8-bit) up to 128 run
+its warp-specialized wgmma build (producer warps, mbarrier rings); other M = 25..128 (25..96 for int4 weights not tiled,
 :func:`max_m`) its lock-step wgmma build (:func:`wgmma_default`); elsewhere the mma.sync build runs
 M <= 32.
 
