@@ -560,8 +560,10 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     if pdl is None:
         pdl = _pdl_default(x2.device)
     cap = _capability(_index(x2.device))
+    m, k = x2.shape
+    n = weight.shape[0]
     if ws is None:  # a caller's wgmma=True / False asks for that build
-        ws = wgmma is None and ws_default(spec, x2.shape[0], weight.shape[0], x2.shape[1], cap, _sm_count(x2.device))
+        ws = wgmma is None and ws_default(spec, m, n, k, cap, _sm_count(x2.device))
     if wgmma is None and not ws:
         wgmma = wgmma_default(x2.shape[0], cap)
     if ws:
@@ -585,8 +587,6 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     warps = warps or 8
     d_stages, d_wps = LAUNCH[packed]
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
-    m, k = x2.shape
-    n = weight.shape[0]
     mt = -(-m // 8)
     if trig is None:
         trig = trig_default(packed, wgmma, ws, m, k)

@@ -105,7 +105,9 @@ def test_wgmma_selection_and_shared_memory():
     # tiled weights: the warp-specialized build from M = 12 (4-bit) / 64 (8-bit), int4 up to 128
     tiled = {name: replace(SPECS[name], tiled=True) for name in MMA_NAMES}
     assert wo_mma.max_m(tiled["int4_g128"], (9, 0)) == 128
-    ws = lambda name, m, cap=(9, 0), n=8192, k=8192: wo_mma.ws_default(tiled.get(name, SPECS[name]), m, n, k, cap, 132)  # noqa: E731
+    def ws(name, m, cap=(9, 0), n=8192, k=8192):
+        return wo_mma.ws_default(tiled[name], m, n, k, cap, 132)
+
     assert [m for m in range(1, 130) if ws("nvfp4", m)] == list(range(12, 129))
     assert [m for m in range(1, 130) if ws("mxfp8", m)] == list(range(64, 129))
     assert {name for name in MMA_NAMES if ws(name, 32)} == {name for name in MMA_NAMES if SPECS[name].dtype.bits == 4}
