@@ -85,7 +85,7 @@ def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
     if bits != 4 or ws_launch(m, n, sms) != (16, 1):
         return False
     stages, warps_per_sm = LAUNCH[True]
-    cps = plan(m, n, k, bits, 8, stages, sms, warps_per_sm=warps_per_sm)[2]
+    cps = plan(m, n, k, bits, MMA_WARPS, stages, sms, warps_per_sm=warps_per_sm)[2]
     return x_bytes(m, cps, bits) > SM90_SMEM_PER_SM // 4
 
 
@@ -353,9 +353,10 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[idx]
 
 
-# (stages, warps per SM) by layout, 8 warps per CTA: the fastest on the H100 at N=K=8192 and
+# (stages, warps per SM) by layout, MMA_WARPS warps per CTA: the fastest on the H100 at N=K=8192 and
 # N=28672, K=8192 for M = 1..32 (benchmarks/bench_wo_linear.py --mma-sweep; docs/kernels-wo.md).
 LAUNCH = {True: (2, 32), False: (2, 16)}
+MMA_WARPS = 8
 
 
 def x_row_stride(chunks: int, bits: int) -> int:
@@ -561,16 +562,16 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
         pdl = _pdl_default(x2.device)
     cap = _capability(_index(x2.device))
     m, k = x2.shape
-    n = weight.shape[0]
+    n, sms = weight.shape[0], _sm_count(x2.device)
     if ws is None:  # a caller's wgmma=True / False asks for that build
-        ws = wgmma is None and ws_default(spec, m, n, k, cap, _sm_count(x2.device))
+        ws = wgmma is None and ws_default(spec, m, n, k, cap, sms)
     if wgmma is None and not ws:
         wgmma = wgmma_default(x2.shape[0], cap)
     if ws:
         if not packed or cap[0] != 9 or x2.shape[0] > WGMMA_MAX_M:
             raise ValueError(f"wo_mma: the warp-specialized build streams tiled weights on an sm_90 GPU, M <= "
                              f"{WGMMA_MAX_M}; have tiled={packed}, sm_{cap[0]}{cap[1]}, M = {x2.shape[0]}")
-        d_warps, d_per_sm = ws_launch(x2.shape[0], weight.shape[0], _sm_count(x2.device))
+        d_warps, d_per_sm = ws_launch(m, n, sms)
         warps = warps or d_warps
         if warps_per_sm is None:
             warps_per_sm, minb = d_per_sm * warps, max(minb, d_per_sm)
@@ -584,7 +585,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     elif x2.shape[0] > MAX_M:
         raise ValueError(f"wo_mma: the mma.sync build takes M <= {MAX_M}, have M = {x2.shape[0]}")
     xstages = xstages or 4
-    warps = warps or 8
+    warps = warps or MMA_WARPS
     d_stages, d_wps = LAUNCH[packed]
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
     mt = -(-m // 8)
