@@ -66,6 +66,15 @@ typedef unsigned short u16;
 #else
 #define NTHR (WARPS * 32)
 #endif
+// KW warps share one 16-row tile and split the CTA's K range between them (mma.sync build): their
+// partial sums meet in shared memory, so fewer splits go through the cluster or global memory.
+#ifndef KW
+#define KW 1
+#endif
+#define TPC (WARPS / KW)  // 16-row tiles per CTA
+#if KW > 1 && (WGMMA || WS || WARPS % KW)
+#error "KW > 1: the mma.sync build, KW dividing WARPS"
+#endif
 #define BITS ((FMT == FMT_INT4 || FMT == FMT_E2M1) ? 4 : 8)
 #define KPC (BITS == 4 ? 128 : 64)  // k per chunk (per row)
 #define KPL (KPC / 4)               // k per lane per chunk
@@ -448,7 +457,7 @@ __device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int 
   // split-K inside one thread-block cluster (the CTAs of this column): partials to shared memory,
   // then CTA `rank` sums its slice of the outputs over the cluster's shared memories in rank order
   // (deterministic), no global memory, no counters.
-  constexpr int NR = WARPS * 16;  // output rows of a CTA
+  constexpr int NR = TPC * 16;    // output rows of a CTA
   float* red = (float*)xs;        // [M][NR] fp32, over x once every warp is past it
   __syncthreads();
   if (active) {
@@ -543,10 +552,13 @@ WO_MMA_KERNEL {
   extern __shared__ __align__(16) unsigned char xs[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane >> 2, q = lane & 3;
-  const int n0 = (blockIdx.x * WARPS + warp) * 16;
+  const int n0 = (blockIdx.x * TPC + warp / KW) * 16;
   const bool active = n0 < N;  // N % 16 == 0; idle warps still join the barriers
   const int nch = K / KPC;
   const int c0 = blockIdx.y * cps, c1 = min(c0 + cps, nch);
+  // this warp's chunks: part kp of KW of the CTA's range (all of it when KW = 1)
+  const int kp = warp % KW, cpw = (c1 - c0 + KW - 1) / KW;
+  const int w0 = min(c0 + kp * cpw, c1), w1 = min(w0 + cpw, c1);
   const int ks = (c1 - c0) * KPC;          // this CTA's K range
   const int rs = x_row_stride(c1 - c0);    // x row stride in shared memory (bytes)
   const int wpr = K / (32 / BITS);         // words per weight row
@@ -569,9 +581,9 @@ WO_MMA_KERNEL {
   U4 ra[STAGES], rb[STAGES];
 #pragma unroll
   for (int i = 0; i < STAGES; i++)
-    if (run && c0 + i < c1) {
-      ra[i] = ld_stream(wa + (size_t)(c0 + i) * CH_STRIDE);
-      rb[i] = ld_stream(wb + (size_t)(c0 + i) * CH_STRIDE);
+    if (run && w0 + i < w1) {
+      ra[i] = ld_stream(wa + (size_t)(w0 + i) * CH_STRIDE);
+      rb[i] = ld_stream(wb + (size_t)(w0 + i) * CH_STRIDE);
     }
   // the first chunks' scales and zero points (like the weights, not written by the previous kernel)
 #if WGMMA
@@ -681,11 +693,11 @@ WO_MMA_KERNEL {
   cp_wait<0>();  // (only empty groups can be left)
 #else
   if (active) {
-    for (int c = c0; c < c1; c += STAGES) {
+    for (int c = w0; c < w1; c += STAGES) {
 #pragma unroll
       for (int st = 0; st < STAGES; st++) {
         const int ch = c + st;
-        if (ch < c1) {
+        if (ch < w1) {
 #if SMODE == SMODE_CHUNK
           float tmp[MT][4];
 #pragma unroll
@@ -729,7 +741,7 @@ WO_MMA_KERNEL {
           }
 #endif
 #undef DST
-          if (ch + STAGES < c1) {  // refill this stage once its words are decoded
+          if (ch + STAGES < w1) {  // refill this stage once its words are decoded
             ra[st] = ld_stream(wa + (size_t)(ch + STAGES) * CH_STRIDE);
             rb[st] = ld_stream(wb + (size_t)(ch + STAGES) * CH_STRIDE);
           }
@@ -741,13 +753,33 @@ WO_MMA_KERNEL {
 #if PDL && !TRIG && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next kernel may start launching
 #endif
+#if KW > 1
+  // the KW partial sums of each tile, added in part order by its first warp (over x's shared memory)
+  float4* red = (float4*)xs;  // [KW - 1][TPC][MT][32 lanes]
+  __syncthreads();
+  if (active && kp > 0)
+#pragma unroll
+    for (int t = 0; t < MT; t++)
+      red[(((kp - 1) * TPC + warp / KW) * MT + t) * 32 + lane] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+  __syncthreads();
+  if (active && kp == 0)
+    for (int j = 1; j < KW; j++)
+#pragma unroll
+      for (int t = 0; t < MT; t++) {
+        const float4 v = red[(((j - 1) * TPC + warp / KW) * MT + t) * 32 + lane];
+        acc[t][0] += v.x; acc[t][1] += v.y; acc[t][2] += v.z; acc[t][3] += v.w;
+      }
+  const bool owner = active && kp == 0;
+#else
+  const bool owner = active;
+#endif
 #if SMODE == SMODE_END
 #pragma unroll
   for (int t = 0; t < MT; t++) {
     acc[t][0] *= s_a; acc[t][1] *= s_a; acc[t][2] *= s_b; acc[t][3] *= s_b;
   }
 #endif
-  store_out(acc, active, warp, n0, gs, bias, out, part, counters, M, N, xs);
+  store_out(acc, owner, warp / KW, n0, gs, bias, out, part, counters, M, N, xs);
 }
 #else  // WS
 // x [M, K] -> xp: for each chunk, x as the wgmma build's B operand (XBUF bytes, see x_transform),

@@ -89,6 +89,42 @@ def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
     return x_bytes(m, cps, bits) > SM90_SMEM_PER_SM // 4
 
 
+# KW: warps of the mma.sync build sharing one 16-row tile, each streaming part of the CTA's K range, their
+# partial sums added in shared memory. More warps per tile leave fewer K splits to reduce across CTAs
+# (through global memory or a cluster: at 8192^2 M = 1 that epilogue cost about 2 us on the H100), but
+# every CTA stages x for a longer K range. Taken on sm_90 in place of a plan that reduces split K through
+# global memory, while the split stays <= KW_MAX_SPLIT, the CTAs fit in one wave and the x staged on an SM
+# stays within KW_X_SHARE of the weight bytes it streams. H100, int4 / NVFP4, us, kw = 1 -> mma_launch
+# (docs/kernels-wo.md, v13): 8192^2 M = 1 17.8-18.2 -> 13.7 / 22.0 -> 17.0, M = 4 19.1 -> 15.5 / 22.7 ->
+# 18.7; 4096x14336 M = 1 16.5 -> 12.4; 4096^2 M = 1 9.5 -> 5.4; 16384x8192 M = 1 29.2 -> 25.9. Where the
+# plan reduced in a cluster it lost up to 4 us (28672x8192 M = 3, 14336x4096 M = 4), so it is left there.
+KW_MAX_SPLIT = 2
+KW_X_SHARE = 0.6
+
+
+def mma_launch(m: int, n: int, k: int, bits: int, capability: tuple[int, int], sms: int) -> tuple[int, int]:
+    """(warps per CTA, warps per tile) of the mma.sync build on tiled weights: the most warps per tile
+    (a power of two up to 16) that the GPU's warp slots (LAUNCH) give every tile, 16 warps per CTA
+    from 8 per tile; fewer while the split is too large (KW_MAX_SPLIT), the CTAs do not fit in one
+    wave (x slices over SMEM_BUDGET split K further) or the x slices take too much (KW_X_SHARE)."""
+    if capability[0] != 9:
+        return MMA_WARPS, 1
+    stages, warps_per_sm = LAUNCH[True]
+    kw = 1
+    while kw < 16 and 2 * kw * (n // 16) <= warps_per_sm * sms:
+        kw *= 2
+    while kw > 1:
+        warps = 16 if kw >= 8 else 8
+        cols, split, cps = plan(m, n, k, bits, warps, stages, sms, warps_per_sm=warps_per_sm, kw=kw)
+        ctas = warps_per_sm // warps
+        x_sm = x_bytes(m, cps, bits) * ctas
+        if (split <= KW_MAX_SPLIT and cols * split <= ctas * sms and x_sm <= KW_X_SHARE * n * k * bits / 8 / sms
+                and x_sm + 1024 * ctas <= SM90_SMEM_PER_SM):
+            return warps, kw
+        kw //= 2
+    return MMA_WARPS, 1
+
+
 def trig_default(tiled: bool, wgmma: bool, ws: bool, m: int, k: int) -> bool:
     """Early launch_dependents (TRIG): the next call's CTAs take the SMs this call's first finishers
     leave. Same-call A/B on the H100 over 7 shapes (docs/kernels-wo.md, v12): the mma.sync build on tiled
@@ -155,6 +191,7 @@ class MmaConfig:
     ws: bool = False  # wgmma, warp-specialized: producer warps, mbarrier rings (`nstg` weight, `xstages` x slots)
     nstg: int = 8
     trig: bool = False  # PDL: the next kernel may launch from this one's start (else after the main loop)
+    kw: int = 1  # mma.sync: warps per 16-row tile, splitting the CTA's K range (reduced in shared memory)
 
     @property
     def bits(self) -> int:
@@ -170,7 +207,7 @@ class MmaConfig:
                  ZP_T=self.zp_t, HAS_GS=int(self.has_gs), HAS_BIAS=int(self.has_bias), MT=self.mt,
                  STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), CLUSTER=self.cluster,
                  PDL=int(self.pdl), WGMMA=int(self.wgmma), XSTAGES=self.xstages,
-                 MINB=self.minb, WS=int(self.ws), NSTG=self.nstg, TRIG=int(self.trig))
+                 MINB=self.minb, WS=int(self.ws), NSTG=self.nstg, TRIG=int(self.trig), KW=self.kw)
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -376,10 +413,12 @@ def x_bytes(m: int, chunks: int, bits: int, wgmma: bool = False, xstages: int = 
 
 
 def plan(m: int, n: int, k: int, bits: int, warps: int, stages: int, sms: int, split: int | None = None,
-         warps_per_sm: int = 16, smem_budget: int = SMEM_BUDGET, wgmma: bool = False) -> tuple[int, int, int]:
+         warps_per_sm: int = 16, smem_budget: int = SMEM_BUDGET, wgmma: bool = False,
+         kw: int = 1) -> tuple[int, int, int]:
     """(CTA columns, split, chunks per split): about ``warps_per_sm`` warps per SM, each streaming
-    at least ``stages`` chunks, and the CTA's x slice within ``smem_budget`` bytes."""
-    cols = -(-(n // 16) // warps)
+    at least ``stages`` chunks, and the CTA's x slice within ``smem_budget`` bytes. ``kw`` warps share
+    each 16-row tile."""
+    cols = -(-(n // 16) // (warps // kw))
     nch = k // KPC[bits]
     if split is None:
         split = max(1, min(round(warps_per_sm * sms / (cols * warps)), nch // stages))
@@ -463,8 +502,10 @@ def _smem(m: int, cps: int, cfg: MmaConfig) -> int:
         smem = cfg.nstg * cfg.warps * 1024 + cfg.xstages * cfg.mt * 8 * KPC[cfg.bits] * 2
     else:
         smem = x_bytes(m, cps, cfg.bits, cfg.wgmma, cfg.xstages)
-    if cfg.cluster > 1:  # the partials reuse x's shared memory: [M][warps * 16] fp32
-        smem = max(smem, m * cfg.warps * 16 * 4)
+    if cfg.kw > 1:  # the other warps' partials of each tile reuse x's shared memory
+        smem = max(smem, (cfg.warps - cfg.warps // cfg.kw) * cfg.mt * 512)
+    if cfg.cluster > 1:  # the partials reuse x's shared memory: [M][tile rows] fp32
+        smem = max(smem, m * (cfg.warps // cfg.kw) * 16 * 4)
     return smem
 
 
@@ -503,7 +544,8 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
         return _PLANS[key]
     bits, nch, sms = base.bits, k // KPC[base.bits], _sm_count(device)
     wg = base.wgmma
-    cols, nsplit, cps = plan(m, n, k, bits, base.warps, base.stages, sms, split, warps_per_sm, smem_budget, wg)
+    cols, nsplit, cps = plan(m, n, k, bits, base.warps, base.stages, sms, split, warps_per_sm, smem_budget, wg,
+                             base.kw)
     shrink = m >= CLUSTER_SHRINK_MIN_M
     glob = replace(base, cluster=1)
     if split is None and not shrink:  # one wave
@@ -545,7 +587,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
            warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET,
            max_cluster: int = MAX_CLUSTER, pdl: bool | None = None, wgmma: bool | None = None,
            xstages: int | None = None, minb: int = 1, ws: bool | None = None, nstg: int = 8,
-           trig: bool | None = None) -> torch.Tensor:
+           trig: bool | None = None, kw: int | None = None) -> torch.Tensor:
     """x2 [M, K] contiguous bf16 (M <= :func:`max_m`) -> [M, N] bf16. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH` (8 warps per CTA), or
@@ -556,7 +598,9 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     ``ws``: the warp-specialized wgmma build (default: :func:`ws_default`; tiled weights; ``warps``
     consumer warps plus two producers, ``nstg`` weight and ``xstages`` x slots; launch:
     :func:`ws_launch`; x rearranged first by its ``x_prep`` kernel). ``trig``: with PDL, let the next
-    kernel launch from this one's start (default: :func:`trig_default`)."""
+    kernel launch from this one's start (default: :func:`trig_default`). ``kw``: mma.sync build, warps
+    sharing each 16-row tile (default 1; for tiled weights with the launch left to it, :func:`mma_launch`'s
+    where the plan would reduce split K through global memory)."""
     packed = spec.tiled
     if pdl is None:
         pdl = _pdl_default(x2.device)
@@ -584,6 +628,11 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
         warps, warps_per_sm = warps or d_warps, warps_per_sm or d_wps
     elif x2.shape[0] > MAX_M:
         raise ValueError(f"wo_mma: the mma.sync build takes M <= {MAX_M}, have M = {x2.shape[0]}")
+    auto_kw = kw is None and packed and not wgmma and not (warps or stages or warps_per_sm or split)
+    kw = kw or 1
+    if kw > 1 and (wgmma or (warps or MMA_WARPS) % kw):
+        raise ValueError(f"wo_mma: kw={kw} (warps sharing a tile) takes the mma.sync build with warps a multiple "
+                         f"of it, have wgmma={wgmma}, warps={warps or MMA_WARPS}")
     xstages = xstages or 4
     warps = warps or MMA_WARPS
     d_stages, d_wps = LAUNCH[packed]
@@ -595,9 +644,15 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
     base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
                      zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, pdl=pdl,
-                     wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg, trig=trig)
+                     wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg, trig=trig, kw=kw)
     cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm, smem_budget,
                                                      max_cluster)
+    if auto_kw and nsplit > 1 and cfg.cluster == 1:  # split K reduced through global memory: share tiles instead
+        warps, kw = mma_launch(m, n, k, cfg.bits, cap, sms)
+        if kw > 1:
+            base = replace(base, warps=warps, kw=kw)
+            cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm,
+                                                             smem_budget, max_cluster)
     gran = spec.scale.granularity
     s = scale.contiguous()
     if s.dtype != torch.float32:

@@ -65,6 +65,33 @@ def test_plan_covers_k_and_fits_shared_memory(m, n, k, bits):
     assert wo_mma.x_bytes(m, cps, bits) <= wo_mma.SMEM_BUDGET
 
 
+def test_tile_sharing_plan():
+    """KW warps per 16-row tile: the CTA's columns and split count tiles, not warps; mma_launch takes
+    the most warps per tile the SMs' warp slots give every tile, while the split stays <= 2, the CTAs
+    fit in one wave and the x slices stay within 60 % of the weight bytes per SM (sm_90 only)."""
+    # 8192^2 int4: 512 tiles, 2 per 16-warp CTA -> 256 CTAs, no split (was 64 columns x split 8)
+    assert wo_mma.plan(1, 8192, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=32, kw=8) == (256, 1, 64)
+    assert wo_mma.plan(1, 8192, 8192, 4, warps=8, stages=2, sms=132, warps_per_sm=32) == (64, 8, 8)
+    launch = {(m, n, k): wo_mma.mma_launch(m, n, k, 4, (9, 0), 132)
+              for m in (1, 4, 5, 8) for n, k in ((8192, 8192), (4096, 14336), (14336, 4096), (28672, 8192))}
+    assert launch == {
+        (1, 8192, 8192): (16, 8), (4, 8192, 8192): (16, 8),  # x 70 KB x 2 CTAs at M = 4
+        (5, 8192, 8192): (8, 1),  # 87 KB x 2 over 60 % of the 254 KB of weights per SM
+        (8, 8192, 8192): (8, 1),  # x over SMEM_BUDGET: split 2, 512 CTAs in two waves
+        (1, 4096, 14336): (16, 16), (4, 4096, 14336): (16, 8), (5, 4096, 14336): (8, 1), (8, 4096, 14336): (8, 1),
+        (1, 14336, 4096): (8, 4), (4, 14336, 4096): (8, 2), (5, 14336, 4096): (8, 2), (8, 14336, 4096): (8, 1),
+        (1, 28672, 8192): (8, 2), (4, 28672, 8192): (8, 1), (5, 28672, 8192): (8, 1), (8, 28672, 8192): (8, 1)}
+    assert {wo_mma.mma_launch(1, 8192, 8192, 4, cap, 132) for cap in ((8, 0), (10, 0), (12, 0))} == {(8, 1)}
+    for m, n, k, bits, warps, kw in ((1, 8192, 8192, 4, 16, 8), (3, 4112, 4224, 4, 8, 4), (2, 4096, 14336, 8, 16, 16)):
+        cols, split, cps = wo_mma.plan(m, n, k, bits, warps, 2, 132, warps_per_sm=32, kw=kw)
+        assert cols * (warps // kw) * 16 >= n > (cols - 1) * (warps // kw) * 16
+        assert (split - 1) * cps < k // wo_mma.KPC[bits] <= split * cps
+    # the partial sums of the other warps of each tile reuse x's shared memory
+    cfg = wo_mma.MmaConfig(0, 0, 1, 128, False, "int", False, False, 2, warps=16, packed=True, kw=8)
+    assert wo_mma._smem(1, 1, cfg) == (16 - 2) * 2 * 512
+    assert wo_mma._smem(16, 64, replace(cfg, cluster=2)) == wo_mma.x_bytes(16, 64, 4)
+
+
 @pytest.mark.parametrize("n,w", [(16, 16), (48, 64), (4096, 512)])
 def test_tile_words_round_trip(n, w):
     words = torch.randint(-2**31, 2**31 - 1, (n, w), dtype=torch.int32)
@@ -157,14 +184,14 @@ NVRTC = os.environ.get("QCOMPILE_NVRTC")
 @pytest.mark.parametrize("mt,cluster,pdl,wgmma,arch,ws", [
     (1, 1, True, False, "90", False), (2, 8, False, False, "90", False), (4, 4, True, False, "90", False),
     (1, 1, True, False, "80", False), (8, 1, True, True, "90", False), (16, 4, True, True, "90", False),
-    (3, 2, True, True, "90", True), (16, 1, False, True, "90", True)])
+    (3, 2, True, True, "90", True), (16, 1, False, True, "90", True), (2, 2, True, False, "90", False)])
 @pytest.mark.parametrize("trig", [False, True])
 def test_source_compiles(name, mt, cluster, pdl, wgmma, arch, ws, trig):
     spec = SPECS[name]
     smode, group = wo_mma.scale_mode(spec, wgmma)
     cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
                            spec.zero_point, "int", spec.global_scale, True, mt, warps=8, cluster=cluster, pdl=pdl,
-                           wgmma=wgmma, packed=ws, ws=ws, trig=trig)
+                           wgmma=wgmma, packed=ws, ws=ws, trig=trig, kw=4 if mt == 2 else 1)
     cubin = wo_mma.compile_cubin(wo_mma.source(cfg), wo_mma.arch_of(cfg, int(arch[0]), int(arch[1])))
     assert cubin[:4] == b"\x7fELF"
 
@@ -282,6 +309,36 @@ def test_gpu_mma_forced_splits_and_determinism(name):
                 assert torch.equal(out, wo_mma.wo_mma(*a, **kw)), what
         # the cluster reduction did run: 4096 / 128 CTA columns of clusters fit on any sm_90
         assert {v[0].cluster for v in wo_mma._PLANS.values()} >= {3, 7, 8}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("n,k", ((4096, 4096), (4112, 4224)), ids=str)
+@pytest.mark.parametrize("name", MMA_NAMES)
+def test_gpu_mma_tile_sharing(name, n, k):
+    """KW warps per tile, their K parts summed in shared memory: every format, tiled and canonical
+    words, with no split, splits reduced in a cluster and through global memory, parts of unequal or
+    no chunks (4224 = 33 chunks of 128), idle warps past N (4112); deterministic."""
+    spec = SPECS[name]
+    if k % wo_mma.chunk_k(spec) or k % max(spec.scale.group_size, 1):
+        pytest.skip("shape not a multiple of the chunk / group")
+    launches = (dict(kw=2), dict(kw=4, split=2), dict(kw=8, warps=16), dict(kw=16, warps=16),
+                dict(kw=4, split=3, max_cluster=1), dict(kw=8, warps=8, split=2, max_cluster=1))
+    for i, m in enumerate((1, 3, 8, 16, 32)):
+        case = _gpu_case(name, m, n, k, torch.bfloat16, seed=20 + i)
+        zp = case["weight_zero_point"]
+        if wo_mma.mma_reason(spec, n, k, zp_dtype=None if zp is None else zp.dtype):
+            pytest.skip(wo_mma.mma_reason(spec, n, k, zp_dtype=zp.dtype))
+        sp = wg.parse_scheme_key(case["scheme"]).weight
+        rest = (case["weight_scale"], case["weight_global_scale"], zp, case["bias"])
+        for j, launch in enumerate(launches):
+            tiled = (i + j) % 2 == 0
+            args = ((case["x"], quant_math.tile_words(case["weight"])) + rest + (replace(sp, tiled=True),) if tiled
+                    else (case["x"], case["weight"]) + rest + (sp,))
+            out = wo_mma.wo_mma(*args, wgmma=False, **launch)
+            what = f"{name} M={m} {launch} tiled={tiled}"
+            _check(out, case, k, what)
+            assert torch.equal(out, wo_mma.wo_mma(*args, wgmma=False, **launch)), what
 
 
 @pytest.mark.gpu
