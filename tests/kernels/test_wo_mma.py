@@ -342,6 +342,28 @@ def test_gpu_mma_tile_sharing(name, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (tile sharing is chosen there)")
+def test_gpu_mma_shares_tiles_in_place_of_global_reduction():
+    """The default launch shares tiles (mma_launch) only where the kw = 1 plan would reduce split K
+    through global memory: 4096^2 M = 1 (split 16, too many for a cluster), not 14336x4096 M = 1
+    (split 4 in a cluster on the H100), nor M = 8 (x too large)."""
+    spec = replace(SPECS["int4_g128"], tiled=True)
+    chosen = {}
+    for m, n, k in ((1, 4096, 4096), (8, 4096, 4096), (1, 14336, 4096)):
+        case = _gpu_case("int4_g128", m, n, k, torch.bfloat16, seed=3)
+        wo_mma._PLANS.clear()
+        out = wo_mma.wo_mma(case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"], None, None,
+                            case["bias"], spec)
+        _check(out, case, k, f"M={m} {n}x{k}")
+        plans = [v for v in wo_mma._PLANS.values()]
+        chosen[(m, n)] = (plans[-1][0].kw, plans[-1][0].warps, plans[-1][3])  # (kw, warps, split) launched
+        if len(plans) == 2:  # the kw = 1 plan that was replaced reduced through global memory
+            assert plans[0][0].cluster == 1 and plans[0][3] > 1
+    assert chosen[(1, 4096)] == (16, 16, 1)
+    assert chosen[(8, 4096)][0] == 1 and chosen[(1, 14336)][0] == 1
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_act_order_sorted_runs_wo_mma():
     """Act-order int4: sorted by group (and tiled) the weight runs wo_mma through the op's mma backend
