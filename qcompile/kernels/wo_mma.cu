@@ -1,6 +1,7 @@
 // qcompile wo_mma: weight-only GEMM for decode-size M, tensor cores fed from registers.
 //
-//   out[M, N] (bf16) = x[M, K] (bf16) @ dequant(W)[N, K]^T  (+ bias), fp32 accumulation.
+//   out[M, N] = x[M, K] @ dequant(W)[N, K]^T  (+ bias), fp32 accumulation; x and out bf16 (fp16 in the
+//   mma.sync build with XF16).
 //
 // The weight is streamed either in its canonical checkpoint layout (row-major words, element k of
 // a row at bits BITS*(k % EPW) of word k / EPW; e2m1 bytes read as the same words) or tiled
@@ -44,7 +45,7 @@
 // ZP_T, HAS_GS, HAS_BIAS, MT (8-token tiles), STAGES (chunks in flight per warp), WARPS, PACKED
 // (tiled words), CLUSTER (splits in one cluster), PDL, TRIG (early launch_dependents), WGMMA, XSTAGES
 // (x chunks in flight, wgmma), MINB (CTAs per SM the registers must allow), WS (the warp-specialized
-// build), NSTG (its weight slots).
+// build), NSTG (its weight slots), KW (warps per 16-row tile), XF16 (fp16 x and output).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -72,6 +73,12 @@ typedef unsigned short u16;
 #define KW 1
 #endif
 #define TPC (WARPS / KW)  // 16-row tiles per CTA
+#ifndef XF16
+#define XF16 0
+#endif
+#if XF16 && (WGMMA || WS || SK == SK_E8M0 || FMT == FMT_E4M3)
+#error "fp16 x: the mma.sync build, weights other than MX (e8m0 scales exceed fp16)"
+#endif
 #if KW > 1 && (WGMMA || WS || WARPS % KW)
 #error "KW > 1: the mma.sync build, KW dividing WARPS"
 #endif
@@ -145,31 +152,56 @@ __device__ __forceinline__ u32 lop3(u32 a, u32 b, u32 c) {
   asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(LUT));
   return d;
 }
-__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {  // bf16x2 a * b + c
+// The 16-bit type of x, the decoded weights and the output ("h"): bf16, or fp16 with XF16 (the
+// mma.sync build; e2m1 values times fp8 scales and int codes fit fp16, e8m0 scales do not).
+#if XF16
+#define H2 "f16x2"
+#define H1 "f16"
+#else
+#define H2 "bf16x2"
+#define H1 "bf16"
+#endif
+__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {  // h x 2: a * b + c
   u32 d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  asm("fma.rn." H2 " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
   u32 d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  asm("cvt.rn." H2 ".f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
 }
-__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
-__device__ __forceinline__ u16 f32_to_bf16(float f) {
+__device__ __forceinline__ float h_to_f32(u16 h) {
+#if XF16
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#else
+  return __uint_as_float(((u32)h) << 16);
+#endif
+}
+__device__ __forceinline__ u16 f32_to_h(float f) {
   u16 d;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(d) : "f"(f));
+  asm("cvt.rn." H1 ".f32 %0, %1;" : "=h"(d) : "f"(f));
   return d;
 }
 __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." H1 "." H1 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-#define BF2_ONE 0x3F803F80u
-#define BF2_NEG0 0x80008000u
+#if XF16
+#define H2_ONE 0x3C003C00u
+#define H2_INT4 0x64006400u  // | code: 1024 + code
+#define INT4_BIAS 1032.f     // 1024 + the code offset 8
+#else
+#define H2_ONE 0x3F803F80u
+#define H2_INT4 0x43004300u  // | code: 128 + code
+#define INT4_BIAS 136.f      // 128 + the code offset 8
+#endif
+#define H2_NEG0 0x80008000u
 #define LUT_AND_OR 0xEA  // (a & b) | c
 
 // Scale value (fp32) of one stored scale element.
@@ -202,22 +234,27 @@ __device__ __forceinline__ U4 x_unit_order(const U4 v) {
 template <int P>
 __device__ __forceinline__ u32 decode(u32 w, u32 zz, u32 sc, float zf, float sf) {
 #if FMT == FMT_INT4
-  u32 t = lop3<LUT_AND_OR>(w >> (4 * P), 0x000F000Fu, 0x43004300u);  // 128 + code, exact
-  t = fma2(t, BF2_ONE, zz);                                           // code - 8 - z, exact
+  u32 t = lop3<LUT_AND_OR>(w >> (4 * P), 0x000F000Fu, H2_INT4);  // magic + code, exact
+  t = fma2(t, H2_ONE, zz);                                           // code - 8 - z, exact
 #if SMODE == SMODE_PRE
-  t = fma2(t, sc, BF2_NEG0);
+  t = fma2(t, sc, H2_NEG0);
 #endif
   return t;
 #elif FMT == FMT_E2M1
   u32 y = w << (12 - 4 * P);  // nibbles p, p+4 at bits 12..15, 28..31
+#if XF16
+  u32 t = lop3<LUT_AND_OR>(y, 0x80008000u, (y >> 3) & 0x0E000E00u);  // sign | e,m -> fp16 = v * 2^-14
+  t = fma2(t, 0x74007400u, H2_NEG0);                                 // * 2^14: exact
+#else
   u32 t = lop3<LUT_AND_OR>(y, 0x80008000u, (y >> 6) & 0x01C001C0u);  // sign | e,m -> bf16 = v * 2^-126
-  t = fma2(t, 0x7E807E80u, BF2_NEG0);                                 // * 2^126: exact
-  return fma2(t, sc, BF2_NEG0);                                       // * scale: exact for fp8/e8m0
+  t = fma2(t, 0x7E807E80u, H2_NEG0);                                 // * 2^126: exact
+#endif
+  return fma2(t, sc, H2_NEG0);                                       // * scale: exact for fp8/e8m0
 #elif FMT == FMT_E4M3
   u32 t = prmt(w, 0u, P ? 0x3424u : 0x1404u);  // bytes (2p, 2p+1) to bits 8..15 / 24..31
   t = lop3<LUT_AND_OR>(t, 0x80008000u, (t >> 4) & 0x07F007F0u);  // bf16 = v * 2^-120
-  t = fma2(t, 0x7B807B80u, BF2_NEG0);                            // * 2^120: exact
-  return fma2(t, sc, BF2_NEG0);
+  t = fma2(t, 0x7B807B80u, H2_NEG0);                            // * 2^120: exact
+  return fma2(t, sc, H2_NEG0);
 #else  // int8: through fp32 (2^23 + byte) - (2^23 + 128 + z)
   float lo = __uint_as_float(prmt(w, 0x4B000000u, P ? 0x7542u : 0x7540u)) - zf;
   float hi = __uint_as_float(prmt(w, 0x4B000000u, P ? 0x7543u : 0x7541u)) - zf;
@@ -225,7 +262,7 @@ __device__ __forceinline__ u32 decode(u32 w, u32 zz, u32 sc, float zf, float sf)
   lo *= sf;
   hi *= sf;
 #endif
-  return pack_bf16(lo, hi);
+  return pack2(lo, hi);
 #endif
 }
 
@@ -362,14 +399,14 @@ __device__ __forceinline__ void decode_chunk(const U4& A, const U4& B, const Chu
   const float za = c.za, zb = c.zb, sa0 = c.sa0, sb0 = c.sb0, sa1 = c.sa1, sb1 = c.sb1;
   // the constant added to the decoded codes, per row
 #if FMT == FMT_INT4
-  const u32 zza = pack_bf16(-136.f - za, -136.f - za), zzb = pack_bf16(-136.f - zb, -136.f - zb);
+  const u32 zza = pack2(-INT4_BIAS - za, -INT4_BIAS - za), zzb = pack2(-INT4_BIAS - zb, -INT4_BIAS - zb);
 #else
   const u32 zza = 0, zzb = 0;
 #endif
   const float zfa = 8388608.f + 128.f + za, zfb = 8388608.f + 128.f + zb;
 #if SMODE == SMODE_PRE
-  const u32 pa0 = pack_bf16(sa0, sa0), pb0 = pack_bf16(sb0, sb0);
-  const u32 pa1 = pack_bf16(sa1, sa1), pb1 = pack_bf16(sb1, sb1);
+  const u32 pa0 = pack2(sa0, sa0), pb0 = pack2(sb0, sb0);
+  const u32 pa1 = pack2(sa1, sa1), pb1 = pack2(sb1, sb1);
 #else
   const u32 pa0 = 0, pb0 = 0, pa1 = 0, pb1 = 0;
 #endif
@@ -425,7 +462,7 @@ __device__ __forceinline__ float4 ld_dsmem4(u32 addr, int rank) {  // `addr` in 
   return v;
 }
 
-// The epilogue of both kernels: the global scale, the bias and the bf16 output; with split-K, the
+// The epilogue of both kernels: the global scale, the bias and the 16-bit output; with split-K, the
 // reduction inside the cluster or through global memory. `warp` owns rows n0 .. n0 + 15 of the
 // CTA's WARPS * 16 (inactive warps: none); every thread of the CTA calls it.
 __device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int warp, int n0,
@@ -445,9 +482,9 @@ __device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int 
           if (tok < M) {
             float v = acc[t][i] * g;
 #if HAS_BIAS
-            v += bf16_to_f32(bias[n]);
+            v += h_to_f32(bias[n]);
 #endif
-            out[(size_t)tok * N + n] = f32_to_bf16(v);
+            out[(size_t)tok * N + n] = f32_to_h(v);
           }
         }
     }
@@ -490,9 +527,9 @@ __device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int 
         for (int i = 0; i < 4; i++) {
           v[i] *= g;
 #if HAS_BIAS
-          v[i] += bf16_to_f32(bias[n + i]);
+          v[i] += h_to_f32(bias[n + i]);
 #endif
-          o[i] = f32_to_bf16(v[i]);
+          o[i] = f32_to_h(v[i]);
         }
         *(uint2*)(out + (size_t)tok * N + n) = make_uint2(o[0] | ((u32)o[1] << 16), o[2] | ((u32)o[3] << 16));
       }
@@ -528,9 +565,9 @@ __device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int 
     for (int sp = 0; sp < (int)gridDim.y; sp++) v += ld_cg(part + ((size_t)sp * M + tok) * N + n);
     v *= g;
 #if HAS_BIAS
-    v += bf16_to_f32(bias[n]);
+    v += h_to_f32(bias[n]);
 #endif
-    out[(size_t)tok * N + n] = f32_to_bf16(v);
+    out[(size_t)tok * N + n] = f32_to_h(v);
   }
 #endif
 }

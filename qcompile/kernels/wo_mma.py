@@ -150,8 +150,17 @@ def ws_launch(m: int, n: int, sms: int) -> tuple[int, int]:
     return 4, 2
 
 
-def max_m(spec: WeightSpec, capability: tuple[int, int]) -> int:
-    """Largest M that the mma backend gives this kernel on a GPU of ``capability``."""
+# fp16 x runs the mma.sync build only: up to M = 32 for e2m1 weights (H100, 8192^2 NVFP4 M = 32 42 us
+# against 137 for the Triton kernel), up to 16 for int weights (M = 32: the Triton kernel 1-6 us faster at
+# 3 shapes for int4, 2 of 3 for int8; docs/kernels-wo.md, v13).
+FP16_MAX_M = {QDtype.FP4_E2M1: MAX_M}
+FP16_MAX_M_INT = 16
+
+
+def max_m(spec: WeightSpec, capability: tuple[int, int], x_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Largest M that the mma backend gives this kernel on a GPU of ``capability`` for x of ``x_dtype``."""
+    if x_dtype == torch.float16:
+        return FP16_MAX_M.get(spec.dtype, FP16_MAX_M_INT)
     if capability[0] != 9:
         return MAX_M
     return SM90_MAX_M_INT4 if spec.dtype is QDtype.INT4 and not spec.tiled else WGMMA_MAX_M
@@ -192,6 +201,7 @@ class MmaConfig:
     nstg: int = 8
     trig: bool = False  # PDL: the next kernel may launch from this one's start (else after the main loop)
     kw: int = 1  # mma.sync: warps per 16-row tile, splitting the CTA's K range (reduced in shared memory)
+    xf16: bool = False  # fp16 x and output (mma.sync build), else bf16
 
     @property
     def bits(self) -> int:
@@ -207,7 +217,8 @@ class MmaConfig:
                  ZP_T=self.zp_t, HAS_GS=int(self.has_gs), HAS_BIAS=int(self.has_bias), MT=self.mt,
                  STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), CLUSTER=self.cluster,
                  PDL=int(self.pdl), WGMMA=int(self.wgmma), XSTAGES=self.xstages,
-                 MINB=self.minb, WS=int(self.ws), NSTG=self.nstg, TRIG=int(self.trig), KW=self.kw)
+                 MINB=self.minb, WS=int(self.ws), NSTG=self.nstg, TRIG=int(self.trig), KW=self.kw,
+                 XF16=int(self.xf16))
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -228,11 +239,13 @@ def scale_mode(spec: WeightSpec, wgmma: bool = False) -> tuple[int, int]:
 
 def mma_reason(spec: WeightSpec, n: int, k: int, x_dtype: torch.dtype = torch.bfloat16,
                zp_dtype: torch.dtype | None = None) -> str | None:
-    """None when the kernel runs this weight for bf16 x (any M <= :func:`max_m`), else why not."""
+    """None when the kernel runs this weight for x of ``x_dtype`` (any M <= :func:`max_m`), else why not."""
     if (spec.dtype, spec.packing) not in FMT:
         return f"{spec.dtype.value} weights packed as {spec.packing.value}"
-    if x_dtype != torch.bfloat16:
-        return f"x is {x_dtype}, the kernel takes bf16"
+    if x_dtype not in (torch.bfloat16, torch.float16):
+        return f"x is {x_dtype}, the kernel takes bf16 or fp16"
+    if x_dtype == torch.float16 and spec.scale.dtype is ScaleDtype.E8M0:
+        return "x is torch.float16 and the scales are e8m0 (MX), beyond fp16's range: the kernel takes bf16 x for them"
     if spec.act_order:
         return "act-order (g_idx) weights"
     if spec.scale.granularity not in (Granularity.TENSOR, Granularity.CHANNEL, Granularity.GROUP):
@@ -588,7 +601,8 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
            max_cluster: int = MAX_CLUSTER, pdl: bool | None = None, wgmma: bool | None = None,
            xstages: int | None = None, minb: int = 1, ws: bool | None = None, nstg: int = 8,
            trig: bool | None = None, kw: int | None = None) -> torch.Tensor:
-    """x2 [M, K] contiguous bf16 (M <= :func:`max_m`) -> [M, N] bf16. Checks are the caller's
+    """x2 [M, K] contiguous bf16 or fp16 (M <= :func:`max_m`; fp16: the mma.sync build) -> [M, N] of x2's
+    dtype. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH` (8 warps per CTA), or
     :func:`wgmma_launch` for the wgmma build (default: :func:`wgmma_default`); splits up to
@@ -607,6 +621,11 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     cap = _capability(_index(x2.device))
     m, k = x2.shape
     n, sms = weight.shape[0], _sm_count(x2.device)
+    xf16 = x2.dtype == torch.float16
+    if xf16:  # the wgmma builds take bf16 x
+        if ws or wgmma:
+            raise ValueError("wo_mma: fp16 x runs the mma.sync build only (wgmma / ws take bf16 x)")
+        ws = wgmma = False
     if ws is None:  # a caller's wgmma=True / False asks for that build
         ws = wgmma is None and ws_default(spec, m, n, k, cap, sms)
     if wgmma is None and not ws:
@@ -644,7 +663,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
     base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
                      zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, pdl=pdl,
-                     wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg, trig=trig, kw=kw)
+                     wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg, trig=trig, kw=kw, xf16=xf16)
     cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm, smem_budget,
                                                      max_cluster)
     if auto_kw and nsplit > 1 and cfg.cluster == 1:  # split K reduced through global memory: share tiles instead
@@ -660,7 +679,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     ss = 0 if gran is Granularity.TENSOR else (1 if gran is Granularity.CHANNEL else s.shape[-1])
     if x2.data_ptr() % 16:
         x2 = x2.clone()
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     global_split = nsplit > 1 and cfg.cluster == 1
     part = torch.empty((nsplit, m, n), dtype=torch.float32, device=x2.device) if global_split else out
     counters = _counters(x2.device, cols) if global_split else out
@@ -676,6 +695,6 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     _launch(kern, (cols, nsplit, 1), (cfg.threads, 1, 1), smem, cfg.pdl,
             [x2, w, s, zero_point.contiguous() if zero_point is not None else dummy,
              global_scale.float().reshape(1) if global_scale is not None else dummy,
-             bias.to(torch.bfloat16).contiguous() if bias is not None else dummy,
+             bias.to(x2.dtype).contiguous() if bias is not None else dummy,
              out, part, counters, m, n, k, ss, cps])
     return out

@@ -19,7 +19,7 @@ from qcompile.kernels import quant_math, registry
 from qcompile.kernels import wo_gemm as wg
 from qcompile.kernels import wo_mma
 from qcompile.kernels.registry import KernelQuery
-from qcompile.scheme import Granularity, Packing, QDtype, QuantScheme, ScaleSpec, WeightSpec
+from qcompile.scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, ScaleSpec, WeightSpec
 
 from .test_wo_gemm import SPECS, _gpu_case, op_args, sorted_case
 
@@ -34,7 +34,11 @@ def _spec(name):
 def test_reasons():
     assert wo_mma.mma_reason(_spec("int4_g128"), 4096, 4096) is None
     assert wo_mma.mma_reason(_spec("int4_g32_actorder"), 4096, 4096) == "act-order (g_idx) weights"
-    assert wo_mma.mma_reason(_spec("nvfp4"), 4096, 4096, torch.float16) == "x is torch.float16, the kernel takes bf16"
+    assert wo_mma.mma_reason(_spec("nvfp4"), 4096, 4096, torch.float16) is None  # fp16 x: the mma.sync build
+    assert wo_mma.mma_reason(_spec("mxfp4"), 4096, 4096, torch.float16) == \
+        "x is torch.float16 and the scales are e8m0 (MX), beyond fp16's range: the kernel takes bf16 x for them"
+    assert wo_mma.mma_reason(_spec("int4_g128"), 4096, 4096, torch.float32) == \
+        "x is torch.float32, the kernel takes bf16 or fp16"
     assert wo_mma.mma_reason(_spec("int4_g128"), 4100, 4096) == \
         "[N, K] = [4100, 4096]: N must be a multiple of 16 and K of 128"
     assert wo_mma.mma_reason(_spec("int8_channel_packed"), 4096, 4128) == \
@@ -115,9 +119,14 @@ def test_selection(monkeypatch):
         want = "wo_triton" if SPECS[name].act_order else "wo_mma"
         assert registry.select(_q(name, (9, 0))).kernel.name == want, name
         assert registry.select(_q(name, (8, 0))).kernel.name == want, name
-    sel = registry.select(_q("nvfp4", (9, 0), torch.float16))
+    assert registry.select(_q("nvfp4", (9, 0), torch.float16)).kernel.name == "wo_mma"
+    sel = registry.select(_q("mxfp8", (9, 0), torch.float16))
     assert sel.kernel.name == "wo_triton"
-    assert dict(sel.rejected)["wo_mma"] == "x is torch.float16, the kernel takes bf16"
+    assert dict(sel.rejected)["wo_mma"].startswith("x is torch.float16 and the scales are e8m0 (MX)")
+    # fp16 x: the mma.sync build only, on any GPU M <= 32 for e2m1 weights, 16 for int ones
+    want = {"nvfp4": 32, "int4_g128": 16, "int8_channel_packed": 16}
+    assert all(wo_mma.max_m(replace(SPECS[n], tiled=True), cap, torch.float16) == m for n, m in want.items()
+               for cap in ((8, 0), (9, 0)))
     sel = registry.select(_q("int4_g128", (7, 5)))
     assert dict(sel.rejected)["wo_mma"] == "needs compute capability >= 8.0, have 7.5"
 
@@ -194,6 +203,24 @@ def test_source_compiles(name, mt, cluster, pdl, wgmma, arch, ws, trig):
                            wgmma=wgmma, packed=ws, ws=ws, trig=trig, kw=4 if mt == 2 else 1)
     cubin = wo_mma.compile_cubin(wo_mma.source(cfg), wo_mma.arch_of(cfg, int(arch[0]), int(arch[1])))
     assert cubin[:4] == b"\x7fELF"
+
+
+FP16_NAMES = [n for n in MMA_NAMES if SPECS[n].scale.dtype is not ScaleDtype.E8M0]
+
+
+@pytest.mark.skipif(not NVRTC and not HAS_CUDA, reason="needs an NVRTC library (QCOMPILE_NVRTC) or a GPU")
+@pytest.mark.parametrize("name", FP16_NAMES)
+def test_source_compiles_fp16(name):
+    """fp16 x (XF16): the mma.sync build, shared tiles and clusters too; the wgmma builds and MX
+    weights refuse it at compile time."""
+    spec = SPECS[name]
+    smode, group = wo_mma.scale_mode(spec)
+    cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
+                           spec.zero_point, "int", spec.global_scale, True, 2, warps=8, cluster=2, pdl=True,
+                           packed=True, kw=4, xf16=True)
+    assert wo_mma.compile_cubin(wo_mma.source(cfg), "90")[:4] == b"\x7fELF"
+    with pytest.raises(RuntimeError, match="fp16 x: the mma.sync build"):
+        wo_mma.compile_cubin(wo_mma.source(replace(cfg, kw=1, cluster=1, wgmma=True)), "90a")
 
 
 # -- GPU ------------------------------------------------------------------------------------------
@@ -342,6 +369,39 @@ def test_gpu_mma_tile_sharing(name, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("n,k", ((4096, 4096), (4112, 4224)), ids=str)
+@pytest.mark.parametrize("name", FP16_NAMES)
+def test_gpu_mma_fp16_matches_reference(name, n, k):
+    """fp16 x and output (the mma.sync build): the op's mma backend on canonical words up to M = 32
+    (above it goes on as Triton), and wo_mma on tiled words with shared tiles, cluster and global
+    splits, against the fp32 reference at the bf16 tolerance; deterministic."""
+    spec = SPECS[name]
+    if k % wo_mma.chunk_k(spec) or k % max(spec.scale.group_size, 1):
+        pytest.skip("shape not a multiple of the chunk / group")
+    launches = (dict(), dict(kw=8, warps=16), dict(kw=4, split=2), dict(split=3, max_cluster=1), dict(split=5))
+    for i, m in enumerate((1, 3, 8, 17, 32, 40)):
+        case = _gpu_case(name, m, n, k, torch.float16, seed=40 + i)
+        zp = case["weight_zero_point"]
+        if wo_mma.mma_reason(spec, n, k, torch.float16, None if zp is None else zp.dtype):
+            pytest.skip(wo_mma.mma_reason(spec, n, k, torch.float16, zp.dtype))
+        out = torch.ops.qcompile.wo_linear(*op_args(case, "mma"))
+        assert out.dtype == torch.float16
+        _check(out, case, k, f"{name} fp16 M={m} op")
+        sp = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
+        args = (case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"], case["weight_global_scale"],
+                zp, case["bias"], sp)
+        if m > wo_mma.MAX_M:  # a tiled (loaded) weight goes on as Triton
+            tiled = dict(case, weight=args[1], scheme=QuantScheme(sp).key)
+            _check(torch.ops.qcompile.wo_linear(*op_args(tiled, "mma")), case, k, f"{name} fp16 M={m} tiled op")
+            continue
+        launch = launches[i % len(launches)]
+        out = wo_mma.wo_mma(*args, **launch)
+        _check(out, case, k, f"{name} fp16 M={m} tiled {launch}")
+        assert out.dtype == torch.float16 and torch.equal(out, wo_mma.wo_mma(*args, **launch))
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (tile sharing is chosen there)")
 def test_gpu_mma_shares_tiles_in_place_of_global_reduction():
     """The default launch shares tiles (mma_launch) only where the kw = 1 plan would reduce split K
@@ -395,12 +455,12 @@ def test_gpu_act_order_sorted_runs_wo_mma():
                "weight_g_idx": case["weight_g_idx"], "weight_shape": torch.tensor([n, k])}
     header = {f"{name}.{t}": (v.dtype, tuple(v.shape)) for t, v in tensors.items()}
     mods = {}
-    for dtype in (torch.float16, torch.bfloat16):  # fp16 layers run Triton: sorted, not tiled
+    for dtype in (torch.float16, torch.bfloat16):  # both run wo_mma: sorted and tiled
         mods[dtype] = QuantLinear.plan(torch.nn.Linear(k, n, bias=False, device="meta", dtype=dtype), name, lq, header)
         for t, v in tensors.items():
             setattr(mods[dtype], t, torch.nn.Parameter(v.cuda(), requires_grad=False))
         mods[dtype].finalize()
-    assert mods[torch.float16].scheme_key == "w=int4/group32/pack=int32/ksorted;a=none"
+    assert mods[torch.float16].scheme_key == "w=int4/group32/pack=int32/tiled/ksorted;a=none"
     mod = mods[torch.bfloat16]
     assert mod.scheme_key == "w=int4/group32/pack=int32/tiled/ksorted;a=none", mod.scheme_key
     got = torch.ops.qcompile.wo_linear(case["x"], mod.weight, mod.weight_scale, None, None, mod.weight_g_idx, None,
