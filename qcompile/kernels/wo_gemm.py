@@ -316,10 +316,10 @@ def _triton(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
 
 
 def _mma(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
-    """The CUDA C++ kernel (wo_mma.cu) for bf16 / fp16 x with M <= wo_mma.max_m (32; bf16 on sm_90 128, 96
-    for int4 weights not tiled); everything else as ``triton`` (or ``dequant`` where Triton cannot run it)."""
+    """The CUDA C++ kernel (wo_mma.cu) for bf16 / fp16 x with M <= wo_mma.max_m (32; on sm_90 128, 96 for
+    int4 weights not tiled); everything else as ``triton`` (or ``dequant`` where Triton cannot run it)."""
     n, k = weight.shape[0], x2.shape[1]
-    if (x2.is_cuda and x2.shape[0] <= wo_mma.max_m(spec, wo_mma.capability(x2.device), x2.dtype)
+    if (x2.is_cuda and x2.shape[0] <= wo_mma.max_m(spec, wo_mma.capability(x2.device))
             and wo_mma.mma_reason(spec, n, k, x2.dtype, None if zp is None else zp.dtype) is None):
         return wo_mma.wo_mma(x2, weight, scale, gs, zp, bias, spec)
     if use_triton(x2) and triton_shape_reason(spec, n, k) is None:

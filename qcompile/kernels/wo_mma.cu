@@ -1,7 +1,7 @@
 // qcompile wo_mma: weight-only GEMM for decode-size M, tensor cores fed from registers.
 //
-//   out[M, N] = x[M, K] @ dequant(W)[N, K]^T  (+ bias), fp32 accumulation; x and out bf16 (fp16 in the
-//   mma.sync build with XF16).
+//   out[M, N] = x[M, K] @ dequant(W)[N, K]^T  (+ bias), fp32 accumulation; x and out bf16 (fp16 with
+//   XF16).
 //
 // The weight is streamed either in its canonical checkpoint layout (row-major words, element k of
 // a row at bits BITS*(k % EPW) of word k / EPW; e2m1 bytes read as the same words) or tiled
@@ -76,8 +76,8 @@ typedef unsigned short u16;
 #ifndef XF16
 #define XF16 0
 #endif
-#if XF16 && (WGMMA || WS || SK == SK_E8M0 || FMT == FMT_E4M3)
-#error "fp16 x: the mma.sync build, weights other than MX (e8m0 scales exceed fp16)"
+#if XF16 && (SK == SK_E8M0 || FMT == FMT_E4M3)
+#error "fp16 x: weights other than MX (e8m0 scales exceed fp16)"
 #endif
 #if KW > 1 && (WGMMA || WS || WARPS % KW)
 #error "KW > 1: the mma.sync build, KW dividing WARPS"
@@ -152,8 +152,8 @@ __device__ __forceinline__ u32 lop3(u32 a, u32 b, u32 c) {
   asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(LUT));
   return d;
 }
-// The 16-bit type of x, the decoded weights and the output ("h"): bf16, or fp16 with XF16 (the
-// mma.sync build; e2m1 values times fp8 scales and int codes fit fp16, e8m0 scales do not).
+// The 16-bit type of x, the decoded weights and the output ("h"): bf16, or fp16 with XF16 (e2m1 values
+// times fp8 scales and int codes fit fp16, e8m0 scales do not).
 #if XF16
 #define H2 "f16x2"
 #define H1 "f16"

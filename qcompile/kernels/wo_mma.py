@@ -150,17 +150,8 @@ def ws_launch(m: int, n: int, sms: int) -> tuple[int, int]:
     return 4, 2
 
 
-# fp16 x runs the mma.sync build only: up to M = 32 for e2m1 weights (H100, 8192^2 NVFP4 M = 32 42 us
-# against 137 for the Triton kernel), up to 16 for int weights (M = 32: the Triton kernel 1-6 us faster at
-# 3 shapes for int4, 2 of 3 for int8; docs/kernels-wo.md, v13).
-FP16_MAX_M = {QDtype.FP4_E2M1: MAX_M}
-FP16_MAX_M_INT = 16
-
-
-def max_m(spec: WeightSpec, capability: tuple[int, int], x_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Largest M that the mma backend gives this kernel on a GPU of ``capability`` for x of ``x_dtype``."""
-    if x_dtype == torch.float16:
-        return FP16_MAX_M.get(spec.dtype, FP16_MAX_M_INT)
+def max_m(spec: WeightSpec, capability: tuple[int, int]) -> int:
+    """Largest M that the mma backend gives this kernel on a GPU of ``capability`` (bf16 or fp16 x)."""
     if capability[0] != 9:
         return MAX_M
     return SM90_MAX_M_INT4 if spec.dtype is QDtype.INT4 and not spec.tiled else WGMMA_MAX_M
@@ -201,7 +192,7 @@ class MmaConfig:
     nstg: int = 8
     trig: bool = False  # PDL: the next kernel may launch from this one's start (else after the main loop)
     kw: int = 1  # mma.sync: warps per 16-row tile, splitting the CTA's K range (reduced in shared memory)
-    xf16: bool = False  # fp16 x and output (mma.sync build), else bf16
+    xf16: bool = False  # fp16 x and output, else bf16
 
     @property
     def bits(self) -> int:
@@ -304,15 +295,16 @@ def compile_cubin(src: str, arch: str, name: str = "wo_mma", extra: tuple[str, .
     return buf.raw
 
 
-def _wgmma_k16(n: int) -> str:
-    """``wgmma_k16`` for ``n`` tokens: one m64 x n x k16 wgmma (bf16 in, fp32 accumulators d[n / 2]
-    in the mma.sync fragment order), A from registers, B through a shared-memory descriptor. The
-    operand list depends on n, so it is generated."""
+def _wgmma_k16(n: int, f16: bool = False) -> str:
+    """``wgmma_k16`` for ``n`` tokens: one m64 x n x k16 wgmma (bf16 in, or fp16 with ``f16``; fp32
+    accumulators d[n / 2] in the mma.sync fragment order), A from registers, B through a shared-memory
+    descriptor. The operand list depends on n, so it is generated."""
+    t = "f16" if f16 else "bf16"
     nd = n // 2
     d = ",".join(f"%{i}" for i in range(nd))
     a = ",".join(f"%{nd + i}" for i in range(4))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
-    asm = (f"{{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 "
+    asm = (f"{{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} "
            f"{{{d}}}, {{{a}}}, %{nd + 4}, p, 1, 1, 0; }}")
     return ("__device__ __forceinline__ void wgmma_k16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, "
             f"unsigned long long desc) {{\n  asm volatile(\"{asm}\" : {outs} : \"r\"(a0), \"r\"(a1), \"r\"(a2), "
@@ -323,7 +315,7 @@ def source(cfg: MmaConfig) -> str:
     src = SOURCE.read_text()
     if cfg.wgmma:  # after the typedefs
         head, sep, rest = src.partition("#define FMT_INT4")
-        src = head + _wgmma_k16(8 * cfg.mt) + sep + rest
+        src = head + _wgmma_k16(8 * cfg.mt, cfg.xf16) + sep + rest
     return cfg.defines() + src
 
 
@@ -601,8 +593,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
            max_cluster: int = MAX_CLUSTER, pdl: bool | None = None, wgmma: bool | None = None,
            xstages: int | None = None, minb: int = 1, ws: bool | None = None, nstg: int = 8,
            trig: bool | None = None, kw: int | None = None) -> torch.Tensor:
-    """x2 [M, K] contiguous bf16 or fp16 (M <= :func:`max_m`; fp16: the mma.sync build) -> [M, N] of x2's
-    dtype. Checks are the caller's
+    """x2 [M, K] contiguous bf16 or fp16 (M <= :func:`max_m`) -> [M, N] of x2's dtype. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH` (8 warps per CTA), or
     :func:`wgmma_launch` for the wgmma build (default: :func:`wgmma_default`); splits up to
@@ -622,10 +613,6 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     m, k = x2.shape
     n, sms = weight.shape[0], _sm_count(x2.device)
     xf16 = x2.dtype == torch.float16
-    if xf16:  # the wgmma builds take bf16 x
-        if ws or wgmma:
-            raise ValueError("wo_mma: fp16 x runs the mma.sync build only (wgmma / ws take bf16 x)")
-        ws = wgmma = False
     if ws is None:  # a caller's wgmma=True / False asks for that build
         ws = wgmma is None and ws_default(spec, m, n, k, cap, sms)
     if wgmma is None and not ws:
@@ -687,7 +674,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     dummy = out
     if ws:  # x as the B operand, chunk by chunk (wo_mma.cu: x_prep)
         kpc = KPC[cfg.bits]
-        xp = torch.empty((k // kpc) * mt * 8 * kpc, dtype=torch.bfloat16, device=x2.device)
+        xp = torch.empty((k // kpc) * mt * 8 * kpc, dtype=x2.dtype, device=x2.device)
         tasks = (k // kpc) * mt * 8 * (kpc // 32)
         _launch(_kernel(cfg, x2.device, "x_prep"), (-(-tasks // 256), 1, 1), (256, 1, 1), 0, cfg.pdl,
                 [x2, xp, m, k])

@@ -123,10 +123,6 @@ def test_selection(monkeypatch):
     sel = registry.select(_q("mxfp8", (9, 0), torch.float16))
     assert sel.kernel.name == "wo_triton"
     assert dict(sel.rejected)["wo_mma"].startswith("x is torch.float16 and the scales are e8m0 (MX)")
-    # fp16 x: the mma.sync build only, on any GPU M <= 32 for e2m1 weights, 16 for int ones
-    want = {"nvfp4": 32, "int4_g128": 16, "int8_channel_packed": 16}
-    assert all(wo_mma.max_m(replace(SPECS[n], tiled=True), cap, torch.float16) == m for n, m in want.items()
-               for cap in ((8, 0), (9, 0)))
     sel = registry.select(_q("int4_g128", (7, 5)))
     assert dict(sel.rejected)["wo_mma"] == "needs compute capability >= 8.0, have 7.5"
 
@@ -211,16 +207,21 @@ FP16_NAMES = [n for n in MMA_NAMES if SPECS[n].scale.dtype is not ScaleDtype.E8M
 @pytest.mark.skipif(not NVRTC and not HAS_CUDA, reason="needs an NVRTC library (QCOMPILE_NVRTC) or a GPU")
 @pytest.mark.parametrize("name", FP16_NAMES)
 def test_source_compiles_fp16(name):
-    """fp16 x (XF16): the mma.sync build, shared tiles and clusters too; the wgmma builds and MX
-    weights refuse it at compile time."""
+    """fp16 x (XF16): the mma.sync build (shared tiles, clusters), the lock-step and warp-specialized
+    wgmma builds; MX weights refuse it at compile time."""
     spec = SPECS[name]
     smode, group = wo_mma.scale_mode(spec)
     cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
                            spec.zero_point, "int", spec.global_scale, True, 2, warps=8, cluster=2, pdl=True,
                            packed=True, kw=4, xf16=True)
     assert wo_mma.compile_cubin(wo_mma.source(cfg), "90")[:4] == b"\x7fELF"
-    with pytest.raises(RuntimeError, match="fp16 x: the mma.sync build"):
-        wo_mma.compile_cubin(wo_mma.source(replace(cfg, kw=1, cluster=1, wgmma=True)), "90a")
+    wg_smode = wo_mma.scale_mode(spec, True)[0]
+    for ws in (False, True):
+        wcfg = replace(cfg, kw=1, warps=4, wgmma=True, ws=ws, smode=wg_smode, stages=2)
+        assert wo_mma.compile_cubin(wo_mma.source(wcfg), "90a")[:4] == b"\x7fELF"
+    mx = SPECS["mxfp4"]
+    with pytest.raises(RuntimeError, match="fp16 x: weights other than MX"):
+        wo_mma.compile_cubin(wo_mma.source(replace(cfg, sk=wo_mma.SK[mx.scale.dtype], fmt=wo_mma.FMT[(mx.dtype, mx.packing)])), "90")
 
 
 # -- GPU ------------------------------------------------------------------------------------------
@@ -373,14 +374,15 @@ def test_gpu_mma_tile_sharing(name, n, k):
 @pytest.mark.parametrize("n,k", ((4096, 4096), (4112, 4224)), ids=str)
 @pytest.mark.parametrize("name", FP16_NAMES)
 def test_gpu_mma_fp16_matches_reference(name, n, k):
-    """fp16 x and output (the mma.sync build): the op's mma backend on canonical words up to M = 32
-    (above it goes on as Triton), and wo_mma on tiled words with shared tiles, cluster and global
-    splits, against the fp32 reference at the bf16 tolerance; deterministic."""
+    """fp16 x and output: the op's mma backend on canonical words (mma.sync, on sm_90 the lock-step
+    wgmma build from M = 25), and wo_mma on tiled words (shared tiles, cluster and global splits; on
+    sm_90 the warp-specialized build from M = 12), against the fp32 reference at the bf16 tolerance;
+    deterministic."""
     spec = SPECS[name]
     if k % wo_mma.chunk_k(spec) or k % max(spec.scale.group_size, 1):
         pytest.skip("shape not a multiple of the chunk / group")
     launches = (dict(), dict(kw=8, warps=16), dict(kw=4, split=2), dict(split=3, max_cluster=1), dict(split=5))
-    for i, m in enumerate((1, 3, 8, 17, 32, 40)):
+    for i, m in enumerate((1, 3, 8, 17, 32, 64, 100)):
         case = _gpu_case(name, m, n, k, torch.float16, seed=40 + i)
         zp = case["weight_zero_point"]
         if wo_mma.mma_reason(spec, n, k, torch.float16, None if zp is None else zp.dtype):
@@ -391,9 +393,9 @@ def test_gpu_mma_fp16_matches_reference(name, n, k):
         sp = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
         args = (case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"], case["weight_global_scale"],
                 zp, case["bias"], sp)
-        if m > wo_mma.MAX_M:  # a tiled (loaded) weight goes on as Triton
-            tiled = dict(case, weight=args[1], scheme=QuantScheme(sp).key)
-            _check(torch.ops.qcompile.wo_linear(*op_args(tiled, "mma")), case, k, f"{name} fp16 M={m} tiled op")
+        tiled = dict(case, weight=args[1], scheme=QuantScheme(sp).key)
+        _check(torch.ops.qcompile.wo_linear(*op_args(tiled, "mma")), case, k, f"{name} fp16 M={m} tiled op")
+        if m > wo_mma.MAX_M:
             continue
         launch = launches[i % len(launches)]
         out = wo_mma.wo_mma(*args, **launch)
