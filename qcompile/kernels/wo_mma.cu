@@ -229,7 +229,7 @@ __device__ __forceinline__ U4 x_unit_order(const U4 v) {
 #endif
 }
 
-// Decoded pair p of a word: bf16x2 holding elements (p, p + 4) for 4-bit, (2p, 2p + 1) for 8-bit
+// Decoded pair p of a word: h x 2 holding elements (p, p + 4) for 4-bit, (2p, 2p + 1) for 8-bit
 // (p = 0..1). `zz` is the pair to add (minus the code offset and zero point), `sc` the pre-scale.
 template <int P>
 __device__ __forceinline__ u32 decode(u32 w, u32 zz, u32 sc, float zf, float sf) {
@@ -463,8 +463,8 @@ __device__ __forceinline__ float4 ld_dsmem4(u32 addr, int rank) {  // `addr` in 
 }
 
 // The epilogue of both kernels: the global scale, the bias and the 16-bit output; with split-K, the
-// reduction inside the cluster or through global memory. `warp` owns rows n0 .. n0 + 15 of the
-// CTA's WARPS * 16 (inactive warps: none); every thread of the CTA calls it.
+// reduction inside the cluster or through global memory. `warp` (the tile's index in the CTA) owns
+// rows n0 .. n0 + 15 of the CTA's TPC * 16 (inactive warps: none); every thread of the CTA calls it.
 __device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int warp, int n0,
                                           const float* __restrict__ gs, const u16* __restrict__ bias,
                                           u16* __restrict__ out, float* __restrict__ part,
@@ -797,7 +797,8 @@ WO_MMA_KERNEL {
   if (active && kp > 0)
 #pragma unroll
     for (int t = 0; t < MT; t++)
-      red[(((kp - 1) * TPC + warp / KW) * MT + t) * 32 + lane] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+      red[(((kp - 1) * TPC + warp / KW) * MT + t) * 32 + lane] =
+          make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
   __syncthreads();
   if (active && kp == 0)
     for (int j = 1; j < KW; j++)

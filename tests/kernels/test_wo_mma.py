@@ -221,7 +221,8 @@ def test_source_compiles_fp16(name):
         assert wo_mma.compile_cubin(wo_mma.source(wcfg), "90a")[:4] == b"\x7fELF"
     mx = SPECS["mxfp4"]
     with pytest.raises(RuntimeError, match="fp16 x: weights other than MX"):
-        wo_mma.compile_cubin(wo_mma.source(replace(cfg, sk=wo_mma.SK[mx.scale.dtype], fmt=wo_mma.FMT[(mx.dtype, mx.packing)])), "90")
+        mx_cfg = replace(cfg, sk=wo_mma.SK[mx.scale.dtype], fmt=wo_mma.FMT[(mx.dtype, mx.packing)])
+        wo_mma.compile_cubin(wo_mma.source(mx_cfg), "90")
 
 
 # -- GPU ------------------------------------------------------------------------------------------
