@@ -94,35 +94,49 @@ def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
 # (through global memory or a cluster: at 8192^2 M = 1 that epilogue cost about 2 us on the H100), but
 # every CTA stages x for a longer K range. Taken on sm_90 in place of a plan that reduces split K through
 # global memory, while the split stays <= KW_MAX_SPLIT, the CTAs fit in one wave and the x staged on an SM
-# stays within KW_X_SHARE of the weight bytes it streams. H100, int4 / NVFP4, us, kw = 1 -> mma_launch
-# (docs/kernels-wo.md, v13): 8192^2 M = 1 17.8-18.2 -> 13.7 / 22.0 -> 17.0, M = 4 19.1 -> 15.5 / 22.7 ->
-# 18.7; 4096x14336 M = 1 16.5 -> 12.4; 4096^2 M = 1 9.5 -> 5.4; 16384x8192 M = 1 29.2 -> 25.9. Where the
-# plan reduced in a cluster it lost up to 4 us (28672x8192 M = 3, 14336x4096 M = 4), so it is left there.
+# stays within KW_X_SHARE of the weight bytes it streams; 16 warps per CTA from 4 per tile (fewer CTAs
+# stage x: 16384x8192 M = 4 26.9 against 38.2 with 8). H100, int4 / NVFP4, us, kw = 1 -> mma_launch
+# (docs/kernels-wo.md, v13): 8192^2 M = 1 17.5-18.1 -> 13.7 / 21.8 -> 16.8, M = 4 19.0 -> 15.2 / 22.3 ->
+# 18.5; 4096x14336 M = 1 16.7 -> 12.7; 4096^2 M = 1 9.5 -> 5.4; 16384x8192 M = 1 26.8 -> 25.6. Where the
+# plan reduced in a cluster it lost up to 4 us with 8 warps per CTA (28672x8192 M = 3, 14336x4096 M = 4),
+# so it is left there.
+# Where the rounded split would spill the CTAs into a second wave, no split is tried instead, with fewer
+# warps than the SMs hold: taken while each warp streams at most KW_CHUNK_GROWTH times the chunks it
+# would without shared tiles (H100, int4 / NVFP4: 5120^2 M = 1 9.3 -> 8.3 / 11.1 -> 10.7 us, 5 chunks per
+# warp against 4; mixed at 11008x4096, 8 against 6: 12.2 -> 11.6 / 14.8 -> 15.7; lost at 10240x8192, 16
+# against 10: 19.1 -> 21.8, and 5120x13824, 13.5 against 9: M = 4 21.1 -> 27.6).
 KW_MAX_SPLIT = 2
-KW_X_SHARE = 0.6
+KW_X_SHARE = 0.9
+KW_CHUNK_GROWTH = 1.3
 
 
-def mma_launch(m: int, n: int, k: int, bits: int, capability: tuple[int, int], sms: int) -> tuple[int, int]:
-    """(warps per CTA, warps per tile) of the mma.sync build on tiled weights: the most warps per tile
-    (a power of two up to 16) that the GPU's warp slots (LAUNCH) give every tile, 16 warps per CTA
-    from 8 per tile; fewer while the split is too large (KW_MAX_SPLIT), the CTAs do not fit in one
-    wave (x slices over SMEM_BUDGET split K further) or the x slices take too much (KW_X_SHARE)."""
+def mma_launch(m: int, n: int, k: int, bits: int, capability: tuple[int, int],
+               sms: int) -> tuple[int, int, int | None]:
+    """(warps per CTA, warps per tile, split or None for the plan's) of the mma.sync build on tiled
+    weights: the most warps per tile (a power of two up to 16) that the GPU's warp slots (LAUNCH) give
+    every tile, 16 warps per CTA from 4 per tile; fewer while the split is too large (KW_MAX_SPLIT), the
+    CTAs do not fit in one wave (x slices over SMEM_BUDGET split K further), the x slices take too much
+    (KW_X_SHARE) or, without a split, the warps too many chunks each (KW_CHUNK_GROWTH)."""
     if capability[0] != 9:
-        return MMA_WARPS, 1
+        return MMA_WARPS, 1, None
     stages, warps_per_sm = LAUNCH[True]
+    cps1 = plan(m, n, k, bits, MMA_WARPS, stages, sms, warps_per_sm=warps_per_sm)[2]
     kw = 1
     while kw < 16 and 2 * kw * (n // 16) <= warps_per_sm * sms:
         kw *= 2
     while kw > 1:
-        warps = 16 if kw >= 8 else 8
-        cols, split, cps = plan(m, n, k, bits, warps, stages, sms, warps_per_sm=warps_per_sm, kw=kw)
+        warps, forced = 16 if kw >= 4 else 8, None
         ctas = warps_per_sm // warps
+        cols, split, cps = plan(m, n, k, bits, warps, stages, sms, warps_per_sm=warps_per_sm, kw=kw)
+        if cols * split > ctas * sms >= cols:
+            forced = 1
+            cols, split, cps = plan(m, n, k, bits, warps, stages, sms, 1, warps_per_sm, kw=kw)
         x_sm = x_bytes(m, cps, bits) * ctas
         if (split <= KW_MAX_SPLIT and cols * split <= ctas * sms and x_sm <= KW_X_SHARE * n * k * bits / 8 / sms
-                and x_sm + 1024 * ctas <= SM90_SMEM_PER_SM):
-            return warps, kw
+                and x_sm + 1024 * ctas <= SM90_SMEM_PER_SM and (forced is None or cps / kw <= KW_CHUNK_GROWTH * cps1)):
+            return warps, kw, forced
         kw //= 2
-    return MMA_WARPS, 1
+    return MMA_WARPS, 1, None
 
 
 def trig_default(tiled: bool, wgmma: bool, ws: bool, m: int, k: int) -> bool:
@@ -654,7 +668,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm, smem_budget,
                                                      max_cluster)
     if auto_kw and nsplit > 1 and cfg.cluster == 1:  # split K reduced through global memory: share tiles instead
-        warps, kw = mma_launch(m, n, k, cfg.bits, cap, sms)
+        warps, kw, split = mma_launch(m, n, k, cfg.bits, cap, sms)
         if kw > 1:
             base = replace(base, warps=warps, kw=kw)
             cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm,

@@ -72,20 +72,29 @@ def test_plan_covers_k_and_fits_shared_memory(m, n, k, bits):
 def test_tile_sharing_plan():
     """KW warps per 16-row tile: the CTA's columns and split count tiles, not warps; mma_launch takes
     the most warps per tile the SMs' warp slots give every tile, while the split stays <= 2, the CTAs
-    fit in one wave and the x slices stay within 60 % of the weight bytes per SM (sm_90 only)."""
+    fit in one wave and the x slices stay within 90 % of the weight bytes per SM; where the rounded
+    split spills into a second wave, no split while each warp streams at most 1.3x the chunks it would
+    without shared tiles (sm_90 only)."""
     # 8192^2 int4: 512 tiles, 2 per 16-warp CTA -> 256 CTAs, no split (was 64 columns x split 8)
     assert wo_mma.plan(1, 8192, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=32, kw=8) == (256, 1, 64)
     assert wo_mma.plan(1, 8192, 8192, 4, warps=8, stages=2, sms=132, warps_per_sm=32) == (64, 8, 8)
     launch = {(m, n, k): wo_mma.mma_launch(m, n, k, 4, (9, 0), 132)
               for m in (1, 4, 5, 8) for n, k in ((8192, 8192), (4096, 14336), (14336, 4096), (28672, 8192))}
     assert launch == {
-        (1, 8192, 8192): (16, 8), (4, 8192, 8192): (16, 8),  # x 70 KB x 2 CTAs at M = 4
-        (5, 8192, 8192): (8, 1),  # 87 KB x 2 over 60 % of the 254 KB of weights per SM
-        (8, 8192, 8192): (8, 1),  # x over SMEM_BUDGET: split 2, 512 CTAs in two waves
-        (1, 4096, 14336): (16, 16), (4, 4096, 14336): (16, 8), (5, 4096, 14336): (8, 1), (8, 4096, 14336): (8, 1),
-        (1, 14336, 4096): (8, 4), (4, 14336, 4096): (8, 2), (5, 14336, 4096): (8, 2), (8, 14336, 4096): (8, 1),
-        (1, 28672, 8192): (8, 2), (4, 28672, 8192): (8, 1), (5, 28672, 8192): (8, 1), (8, 28672, 8192): (8, 1)}
-    assert {wo_mma.mma_launch(1, 8192, 8192, 4, cap, 132) for cap in ((8, 0), (10, 0), (12, 0))} == {(8, 1)}
+        (1, 8192, 8192): (16, 8, None), (4, 8192, 8192): (16, 8, None),  # x 70 KB x 2 CTAs at M = 4
+        (5, 8192, 8192): (16, 8, None),  # 87 KB x 2: 69 % of the 254 KB of weights per SM
+        (8, 8192, 8192): (16, 4, None),  # kw 8: x over SMEM_BUDGET, split 2, 512 CTAs in two waves
+        (1, 4096, 14336): (16, 16, None), (4, 4096, 14336): (16, 8, None), (5, 4096, 14336): (16, 8, None),
+        (8, 4096, 14336): (8, 1, None),
+        (1, 14336, 4096): (16, 4, None), (4, 14336, 4096): (16, 4, None), (5, 14336, 4096): (16, 4, None),
+        (8, 14336, 4096): (16, 4, None),
+        (1, 28672, 8192): (8, 2, None), (4, 28672, 8192): (8, 1, None), (5, 28672, 8192): (8, 1, None),
+        (8, 28672, 8192): (8, 1, None)}
+    # 5120^2: split 2 would need 320 CTAs of 16 warps (264 fit): no split, 5 chunks per warp against 4;
+    # 11008x4096: 8 against 6 (over 1.3x), no shared tiles
+    assert wo_mma.mma_launch(1, 5120, 5120, 4, (9, 0), 132) == (16, 8, 1)
+    assert wo_mma.mma_launch(1, 11008, 4096, 4, (9, 0), 132) == (8, 1, None)
+    assert {wo_mma.mma_launch(1, 8192, 8192, 4, cap, 132) for cap in ((8, 0), (10, 0), (12, 0))} == {(8, 1, None)}
     for m, n, k, bits, warps, kw in ((1, 8192, 8192, 4, 16, 8), (3, 4112, 4224, 4, 8, 4), (2, 4096, 14336, 8, 16, 16)):
         cols, split, cps = wo_mma.plan(m, n, k, bits, warps, 2, 132, warps_per_sm=32, kw=kw)
         assert cols * (warps // kw) * 16 >= n > (cols - 1) * (warps // kw) * 16
@@ -352,7 +361,8 @@ def test_gpu_mma_tile_sharing(name, n, k):
     if k % wo_mma.chunk_k(spec) or k % max(spec.scale.group_size, 1):
         pytest.skip("shape not a multiple of the chunk / group")
     launches = (dict(kw=2), dict(kw=4, split=2), dict(kw=8, warps=16), dict(kw=16, warps=16),
-                dict(kw=4, split=3, max_cluster=1), dict(kw=8, warps=8, split=2, max_cluster=1))
+                dict(kw=4, split=3, max_cluster=1), dict(kw=8, warps=8, split=2, max_cluster=1),
+                dict(kw=4, warps=16))
     for i, m in enumerate((1, 3, 8, 16, 32)):
         case = _gpu_case(name, m, n, k, torch.bfloat16, seed=20 + i)
         zp = case["weight_zero_point"]
