@@ -21,6 +21,7 @@ PyTorch's CUDA build (no CUDA toolkit, no C++ compiler, no ninja needed), one sp
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -74,6 +75,14 @@ WS_MIN_M = {4: 12, 8: 64}
 SM90_SMEM_PER_SM = 228 * 1024
 
 
+def _mma_plan(m: int, n: int, k: int, bits: int, sms: int, warps: int | None = None, split: int | None = None,
+              kw: int = 1) -> tuple[int, int, int]:
+    """:func:`plan` of the mma.sync build at its launch defaults for tiled weights (:data:`LAUNCH`)."""
+    stages, warps_per_sm = LAUNCH[True]
+    return plan(m, n, k, bits, warps or MMA_WARPS, stages, sms, split, warps_per_sm, kw=kw)
+
+
+@functools.lru_cache(maxsize=None)  # per call shape: wo_mma asks on every call
 def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, int], sms: int) -> bool:
     """The warp-specialized build: tiled weights on sm_90, M = WS_MIN_M[bits]..WGMMA_MAX_M, or smaller M
     of wide 4-bit weights whose mma.sync x slice would crowd out that build's CTAs."""
@@ -84,9 +93,7 @@ def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
         return True
     if bits != 4 or ws_launch(m, n, sms) != (16, 1):
         return False
-    stages, warps_per_sm = LAUNCH[True]
-    cps = plan(m, n, k, bits, MMA_WARPS, stages, sms, warps_per_sm=warps_per_sm)[2]
-    return x_bytes(m, cps, bits) > SM90_SMEM_PER_SM // 4
+    return x_bytes(m, _mma_plan(m, n, k, bits, sms)[2], bits) > SM90_SMEM_PER_SM // 4
 
 
 # KW: warps of the mma.sync build sharing one 16-row tile, each streaming part of the CTA's K range, their
@@ -110,6 +117,7 @@ KW_X_SHARE = 0.9
 KW_CHUNK_GROWTH = 1.3
 
 
+@functools.lru_cache(maxsize=None)  # per call shape
 def mma_launch(m: int, n: int, k: int, bits: int, capability: tuple[int, int],
                sms: int) -> tuple[int, int, int | None]:
     """(warps per CTA, warps per tile, split or None for the plan's) of the mma.sync build on tiled
@@ -119,18 +127,18 @@ def mma_launch(m: int, n: int, k: int, bits: int, capability: tuple[int, int],
     (KW_X_SHARE) or, without a split, the warps too many chunks each (KW_CHUNK_GROWTH)."""
     if capability[0] != 9:
         return MMA_WARPS, 1, None
-    stages, warps_per_sm = LAUNCH[True]
-    cps1 = plan(m, n, k, bits, MMA_WARPS, stages, sms, warps_per_sm=warps_per_sm)[2]
+    warps_per_sm = LAUNCH[True][1]
+    cps1 = _mma_plan(m, n, k, bits, sms)[2]
     kw = 1
     while kw < 16 and 2 * kw * (n // 16) <= warps_per_sm * sms:
         kw *= 2
     while kw > 1:
         warps, forced = 16 if kw >= 4 else 8, None
         ctas = warps_per_sm // warps
-        cols, split, cps = plan(m, n, k, bits, warps, stages, sms, warps_per_sm=warps_per_sm, kw=kw)
+        cols, split, cps = _mma_plan(m, n, k, bits, sms, warps, kw=kw)
         if cols * split > ctas * sms >= cols:
             forced = 1
-            cols, split, cps = plan(m, n, k, bits, warps, stages, sms, 1, warps_per_sm, kw=kw)
+            cols, split, cps = _mma_plan(m, n, k, bits, sms, warps, 1, kw)
         x_sm = x_bytes(m, cps, bits) * ctas
         if (split <= KW_MAX_SPLIT and cols * split <= ctas * sms and x_sm <= KW_X_SHARE * n * k * bits / 8 / sms
                 and x_sm + 1024 * ctas <= SM90_SMEM_PER_SM and (forced is None or cps / kw <= KW_CHUNK_GROWTH * cps1)):
