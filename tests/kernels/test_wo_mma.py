@@ -287,25 +287,44 @@ def test_gpu_wgmma_matches_reference(name, n, k):
                          (dict(split=3, max_cluster=1), dict(split=4, warps=16), dict(split=1, stages=4)))
 
 
-def _tiled_build_matches(name, n, k, ms, build, variants):
-    """wo_mma with ``build`` (its keywords) on tiled weights against the reference, for each M in
-    ``ms``: the default launch and one of ``variants`` in turn; M = 17 and 100 twice, bit-identical."""
+def _wo_mma_case(name, m, n, k, dtype, seed):
+    """One GPU case for wo_mma; skips shapes and formats that it refuses."""
     spec = SPECS[name]
     if k % wo_mma.chunk_k(spec) or k % max(spec.scale.group_size, 1):
         pytest.skip("shape not a multiple of the chunk / group")
+    case = _gpu_case(name, m, n, k, dtype, seed=seed)
+    zp = case["weight_zero_point"]
+    why = wo_mma.mma_reason(spec, n, k, dtype, None if zp is None else zp.dtype)
+    if why:
+        pytest.skip(why)
+    return case
+
+
+def _wo_mma_args(case, tiled):
+    """wo_mma's positional arguments for ``case``: the weight's tiled words or its canonical ones."""
+    sp = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=tiled)
+    w = quant_math.tile_words(case["weight"]) if tiled else case["weight"]
+    return (case["x"], w, case["weight_scale"], case["weight_global_scale"], case["weight_zero_point"],
+            case["bias"], sp)
+
+
+def _matches(case, args, k, what, deterministic=True, **launch):
+    """wo_mma(*args, **launch) within the reference tolerance; the same bits again if ``deterministic``."""
+    out = wo_mma.wo_mma(*args, **launch)
+    _check(out, case, k, what)
+    if deterministic:
+        assert torch.equal(out, wo_mma.wo_mma(*args, **launch)), what
+    return out
+
+
+def _tiled_build_matches(name, n, k, ms, build, variants):
+    """wo_mma with ``build`` (its keywords) on tiled weights against the reference, for each M in
+    ``ms``: the default launch and one of ``variants`` in turn; M = 17 and 100 twice, bit-identical."""
     for i, m in enumerate(ms):
-        case = _gpu_case(name, m, n, k, torch.bfloat16, seed=i)
-        zp = case["weight_zero_point"]
-        if wo_mma.mma_reason(spec, n, k, zp_dtype=None if zp is None else zp.dtype):
-            pytest.skip(wo_mma.mma_reason(spec, n, k, zp_dtype=zp.dtype))
-        sp = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
-        args = (case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"],
-                case["weight_global_scale"], case["weight_zero_point"], case["bias"], sp)
+        case = _wo_mma_case(name, m, n, k, torch.bfloat16, i)
+        args = _wo_mma_args(case, True)
         for kw in (dict(), variants[i % len(variants)]):
-            out = wo_mma.wo_mma(*args, **build, **kw)
-            _check(out, case, k, f"{name} M={m} {build} {kw}")
-            if m in (17, 100):
-                assert torch.equal(out, wo_mma.wo_mma(*args, **build, **kw))
+            _matches(case, args, k, f"{name} M={m} {build} {kw}", m in (17, 100), **build, **kw)
 
 
 WS_MS = (1, 16, 17, 33, 64, 100, 128)
@@ -332,19 +351,13 @@ def test_gpu_mma_forced_splits_and_determinism(name):
     n = k = 4096
     for m in (1, 16):
         case = _gpu_case(name, m, n, k, torch.bfloat16, seed=m + 1)
-        spec = wg.parse_scheme_key(case["scheme"]).weight
-        args = (case["x"], case["weight"], case["weight_scale"], case["weight_global_scale"],
-                case["weight_zero_point"], case["bias"], spec)
-        tiled = (args[0], quant_math.tile_words(case["weight"])) + args[2:6] + (replace(spec, tiled=True),)
+        args, tiled = _wo_mma_args(case, False), _wo_mma_args(case, True)
         # splits up to 8 reduce in a cluster, more (or max_cluster=1) through global memory
-        for split in (1, 3, 7, 8, k // wo_mma.chunk_k(spec)):
+        for split in (1, 3, 7, 8, k // wo_mma.chunk_k(args[-1])):
             for stages, warps, a, cl in ((2, 4, args, 8), (4, 8, tiled, 8), (8, 4, tiled, 8), (4, 16, tiled, 8),
                                          (2, 8, tiled, 1)):
                 kw = dict(stages=stages, warps=warps, split=split, max_cluster=cl)
-                out = wo_mma.wo_mma(*a, **kw)
-                what = f"{name} M={m} {kw} tiled={a is tiled}"
-                _check(out, case, k, what)
-                assert torch.equal(out, wo_mma.wo_mma(*a, **kw)), what
+                _matches(case, a, k, f"{name} M={m} {kw} tiled={a is tiled}", **kw)
         # the cluster reduction did run: 4096 / 128 CTA columns of clusters fit on any sm_90
         assert {v[0].cluster for v in wo_mma._PLANS.values()} >= {3, 7, 8}
 
@@ -357,27 +370,15 @@ def test_gpu_mma_tile_sharing(name, n, k):
     """KW warps per tile, their K parts summed in shared memory: every format, tiled and canonical
     words, with no split, splits reduced in a cluster and through global memory, parts of unequal or
     no chunks (4224 = 33 chunks of 128), idle warps past N (4112); deterministic."""
-    spec = SPECS[name]
-    if k % wo_mma.chunk_k(spec) or k % max(spec.scale.group_size, 1):
-        pytest.skip("shape not a multiple of the chunk / group")
     launches = (dict(kw=2), dict(kw=4, split=2), dict(kw=8, warps=16), dict(kw=16, warps=16),
                 dict(kw=4, split=3, max_cluster=1), dict(kw=8, warps=8, split=2, max_cluster=1),
                 dict(kw=4, warps=16))
     for i, m in enumerate((1, 3, 8, 16, 32)):
-        case = _gpu_case(name, m, n, k, torch.bfloat16, seed=20 + i)
-        zp = case["weight_zero_point"]
-        if wo_mma.mma_reason(spec, n, k, zp_dtype=None if zp is None else zp.dtype):
-            pytest.skip(wo_mma.mma_reason(spec, n, k, zp_dtype=zp.dtype))
-        sp = wg.parse_scheme_key(case["scheme"]).weight
-        rest = (case["weight_scale"], case["weight_global_scale"], zp, case["bias"])
+        case = _wo_mma_case(name, m, n, k, torch.bfloat16, 20 + i)
         for j, launch in enumerate(launches):
             tiled = (i + j) % 2 == 0
-            args = ((case["x"], quant_math.tile_words(case["weight"])) + rest + (replace(sp, tiled=True),) if tiled
-                    else (case["x"], case["weight"]) + rest + (sp,))
-            out = wo_mma.wo_mma(*args, wgmma=False, **launch)
-            what = f"{name} M={m} {launch} tiled={tiled}"
-            _check(out, case, k, what)
-            assert torch.equal(out, wo_mma.wo_mma(*args, wgmma=False, **launch)), what
+            _matches(case, _wo_mma_args(case, tiled), k, f"{name} M={m} {launch} tiled={tiled}", wgmma=False,
+                     **launch)
 
 
 @pytest.mark.gpu
@@ -389,29 +390,20 @@ def test_gpu_mma_fp16_matches_reference(name, n, k):
     wgmma build from M = 25), and wo_mma on tiled words (shared tiles, cluster and global splits; on
     sm_90 the warp-specialized build from M = 12), against the fp32 reference at the bf16 tolerance;
     deterministic."""
-    spec = SPECS[name]
-    if k % wo_mma.chunk_k(spec) or k % max(spec.scale.group_size, 1):
-        pytest.skip("shape not a multiple of the chunk / group")
     launches = (dict(), dict(kw=8, warps=16), dict(kw=4, split=2), dict(split=3, max_cluster=1), dict(split=5))
     for i, m in enumerate((1, 3, 8, 17, 32, 64, 100)):
-        case = _gpu_case(name, m, n, k, torch.float16, seed=40 + i)
-        zp = case["weight_zero_point"]
-        if wo_mma.mma_reason(spec, n, k, torch.float16, None if zp is None else zp.dtype):
-            pytest.skip(wo_mma.mma_reason(spec, n, k, torch.float16, zp.dtype))
+        case = _wo_mma_case(name, m, n, k, torch.float16, 40 + i)
         out = torch.ops.qcompile.wo_linear(*op_args(case, "mma"))
         assert out.dtype == torch.float16
         _check(out, case, k, f"{name} fp16 M={m} op")
-        sp = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
-        args = (case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"], case["weight_global_scale"],
-                zp, case["bias"], sp)
-        tiled = dict(case, weight=args[1], scheme=QuantScheme(sp).key)
+        args = _wo_mma_args(case, True)
+        tiled = dict(case, weight=args[1], scheme=QuantScheme(args[-1]).key)
         _check(torch.ops.qcompile.wo_linear(*op_args(tiled, "mma")), case, k, f"{name} fp16 M={m} tiled op")
         if m > wo_mma.MAX_M:
             continue
         launch = launches[i % len(launches)]
-        out = wo_mma.wo_mma(*args, **launch)
-        _check(out, case, k, f"{name} fp16 M={m} tiled {launch}")
-        assert out.dtype == torch.float16 and torch.equal(out, wo_mma.wo_mma(*args, **launch))
+        out = _matches(case, args, k, f"{name} fp16 M={m} tiled {launch}", **launch)
+        assert out.dtype == torch.float16
 
 
 @pytest.mark.gpu
