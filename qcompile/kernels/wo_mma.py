@@ -575,6 +575,10 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
                              base.kw)
     shrink = m >= CLUSTER_SHRINK_MIN_M
     glob = replace(base, cluster=1)
+
+    def x_fits(chunks: int, limit: int) -> bool:  # the mma.sync build's x slice; the wgmma builds stream x
+        return wg or x_bytes(m, chunks, bits) <= limit
+
     if split is None and not shrink:  # one wave
         while nsplit > 1:
             smem = _smem(m, cps, glob)
@@ -582,16 +586,16 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
             if per_sm == 0 or cols * nsplit <= per_sm * sms:  # unknown occupancy: keep the split
                 break
             c = -(-nch // (nsplit - 1))
-            if x_bytes(m, c, bits, wg, base.xstages) > smem_budget:
+            if not x_fits(c, smem_budget):
                 break
             cps, nsplit = c, -(-nch // c)
     chosen = None
     if _capability(idx)[0] >= 9:
-        limit, s = max(smem_budget, x_bytes(m, cps, bits, wg, base.xstages)), nsplit
+        limit, s = max(smem_budget, x_bytes(m, cps, bits)), nsplit
         while 1 < s <= max_cluster:
             c = -(-nch // s)
             s = -(-nch // c)
-            if x_bytes(m, c, bits, wg, base.xstages) > limit:
+            if not x_fits(c, limit):
                 break
             cfg = replace(base, cluster=s)
             smem = _smem(m, c, cfg)
