@@ -7,7 +7,7 @@ tiled one (quant_math.tile_words), x in shared memory, split-K reduced inside a 
 On sm_90 it is launched with programmatic dependent launch (cuLaunchKernelEx): its first weight
 loads overlap the previous kernel's tail, and where that measured faster it lets the next kernel
 launch from its own start (:func:`trig_default`; ``QCOMPILE_PDL=0`` turns PDL off). On sm_90, tiled
-weights from M = 12 (4-bit; smaller M for wide ones, :func:`ws_default`) / 64 (8-bit) up to 128 run
+weights from M = 12 (4-bit; smaller M for wide ones, :func:`ws_default`) / 57 (int8) / 49 (fp8) up to 128 run
 its warp-specialized wgmma build (producer warps, mbarrier rings); other M = 25..128 (25..96 for int4 weights not tiled,
 :func:`max_m`) its lock-step wgmma build (:func:`wgmma_default`); elsewhere the mma.sync build runs
 M <= 32.
@@ -58,13 +58,15 @@ WGMMA_MAX_M = 128  # 16 token tiles (m64 n128 k16); what wo_mma(..., wgmma=True)
 # Elsewhere the mma.sync build runs M <= MAX_M.
 SM90_MAX_M_INT4 = 96
 # The warp-specialized wgmma build (producer warps filling mbarrier rings with bulk copies, x
-# rearranged once per call by x_prep) for tiled weights on sm_90 from this M: 4-bit weights at
-# M = 12..128 beat the mma.sync / wgmma builds at 3 shapes x 2 formats in 42 of 48 cells (by up to 2x at
-# M = 96..128), at M <= 8 they lost at 5 of 6 shape-format pairs (the x_prep launch and per-chunk
-# barriers cost more than the work); 8-bit weights won at M = 64 and 128 at both shapes measured and
-# lost at M = 16 at N = K = 8192 (M = 17..63 not measured). int4 runs it up to M = 128
-# (docs/kernels-wo.md, v9).
-WS_MIN_M = {4: 12, 8: 64}
+# rearranged once per call by x_prep) for tiled weights on sm_90 from this M, by weight type. 4-bit
+# weights at M = 12..128 beat the mma.sync / wgmma builds at 3 shapes x 2 formats in 42 of 48 cells (by
+# up to 2x at M = 96..128), at M <= 8 they lost at 5 of 6 shape-format pairs (the x_prep launch and
+# per-chunk barriers cost more than the work) (docs/kernels-wo.md, v9). 8-bit weights take it where the
+# lock-step wgmma build's next token tile makes it jump (H100, 4 shapes, M = 17..63, v14): int8 from
+# M = 57 (8 tiles; 8192^2 47.5 -> 40.3 us, 28672x8192 132 -> 115; at M = 49..56 it lost by 2-5.5 us
+# everywhere), MXFP8 from M = 49 (7 tiles; 8192^2 53.4 -> 49.3, 28672x8192 147.5 -> 116; 14336x4096
+# 4-5 us slower, the one loss). int4 runs it up to M = 128.
+WS_MIN_M = {QDtype.INT4: 12, QDtype.FP4_E2M1: 12, QDtype.INT8: 57, QDtype.FP8_E4M3: 49}
 # Below WS_MIN_M, 4-bit weights wide enough for its one-column-per-SM launch (ws_launch: 16 warps, no
 # split) still take the warp-specialized build when the mma.sync build's x slice (all M rows of its
 # CTA's K range, staged before the first MMA) would leave fewer than 4 of its CTAs (32 warps) on an SM.
@@ -84,12 +86,12 @@ def _mma_plan(m: int, n: int, k: int, bits: int, sms: int, warps: int | None = N
 
 @functools.lru_cache(maxsize=None)  # per call shape: wo_mma asks on every call
 def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, int], sms: int) -> bool:
-    """The warp-specialized build: tiled weights on sm_90, M = WS_MIN_M[bits]..WGMMA_MAX_M, or smaller M
+    """The warp-specialized build: tiled weights on sm_90, M = WS_MIN_M[dtype]..WGMMA_MAX_M, or smaller M
     of wide 4-bit weights whose mma.sync x slice would crowd out that build's CTAs."""
     if capability[0] != 9 or not spec.tiled or m > WGMMA_MAX_M:
         return False
     bits = spec.dtype.bits
-    if m >= WS_MIN_M[bits]:
+    if m >= WS_MIN_M[spec.dtype]:
         return True
     if bits != 4 or ws_launch(m, n, sms) != (16, 1):
         return False

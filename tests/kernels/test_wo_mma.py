@@ -143,14 +143,15 @@ def test_wgmma_selection_and_shared_memory():
     assert not any(wo_mma.wgmma_default(m, cap) for m in (25, 32, 64) for cap in ((8, 0), (10, 0), (12, 0)))
     assert {name: wo_mma.max_m(SPECS[name], (9, 0)) for name in ("int4_g128", "int8_channel_packed", "nvfp4")} \
         == {"int4_g128": 96, "int8_channel_packed": 128, "nvfp4": 128}
-    # tiled weights: the warp-specialized build from M = 12 (4-bit) / 64 (8-bit), int4 up to 128
+    # tiled weights: the warp-specialized build from M = 12 (4-bit) / 57 (int8) / 49 (fp8), int4 up to 128
     tiled = {name: replace(SPECS[name], tiled=True) for name in MMA_NAMES}
     assert wo_mma.max_m(tiled["int4_g128"], (9, 0)) == 128
     def ws(name, m, cap=(9, 0), n=8192, k=8192):
         return wo_mma.ws_default(tiled[name], m, n, k, cap, 132)
 
     assert [m for m in range(1, 130) if ws("nvfp4", m)] == list(range(12, 129))
-    assert [m for m in range(1, 130) if ws("mxfp8", m)] == list(range(64, 129))
+    assert [m for m in range(1, 130) if ws("mxfp8", m)] == list(range(49, 129))
+    assert [m for m in range(1, 130) if ws("int8_channel_packed", m)] == list(range(57, 129))
     assert {name for name in MMA_NAMES if ws(name, 32)} == {name for name in MMA_NAMES if SPECS[name].dtype.bits == 4}
     assert not any(wo_mma.ws_default(SPECS[name], 64, 8192, 8192, (9, 0), 132) for name in MMA_NAMES)  # not tiled
     assert not any(ws("int4_g128", 64, cap) for cap in ((8, 0), (10, 0), (12, 0)))
@@ -162,7 +163,7 @@ def test_wgmma_selection_and_shared_memory():
     assert [m for m in range(1, 9) if ws("nvfp4", m, n=57344)] == [4, 5, 7, 8]  # M = 6: split 2, 52 KB
     assert not any(ws(name, m, n=n, k=k) for name in ("int4_g128", "nvfp4") for m in range(1, 12)
                    for n, k in ((8192, 8192), (28672, 4096), (4096, 14336), (14336, 4096), (8192, 28672)))
-    assert not any(ws("int8_channel_packed", m, n=28672) for m in range(1, 64))
+    assert not any(ws("int8_channel_packed", m, n=28672) for m in range(1, 57))  # 8-bit: no small-M exception
     # early launch_dependents: the mma.sync build on tiled weights; the warp-specialized one but at M > 16
     # with K > 8192; not the lock-step wgmma build, nor canonical words
     trig = wo_mma.trig_default
