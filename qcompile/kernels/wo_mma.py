@@ -67,13 +67,16 @@ SM90_MAX_M_INT4 = 96
 # everywhere), MXFP8 from M = 49 (7 tiles; 8192^2 53.4 -> 49.3, 28672x8192 147.5 -> 116; 14336x4096
 # 4-5 us slower, the one loss). int4 runs it up to M = 128.
 WS_MIN_M = {QDtype.INT4: 12, QDtype.FP4_E2M1: 12, QDtype.INT8: 57, QDtype.FP8_E4M3: 49}
-# Below WS_MIN_M, 4-bit weights wide enough for its one-column-per-SM launch (ws_launch: 16 warps, no
+# Below WS_MIN_M, weights wide enough for its one-column-per-SM launch (ws_launch: 16 warps, no
 # split) still take the warp-specialized build when the mma.sync build's x slice (all M rows of its
 # CTA's K range, staged before the first MMA) would leave fewer than 4 of its CTAs (32 warps) on an SM.
 # H100, us, mma.sync vs warp-specialized (docs/kernels-wo.md, v12): 28672x8192 M = 6 (52 KB) 52 vs 58,
 # M = 8 (70 KB) int4 70 vs 58, NVFP4 78 vs 65; 57344x8192 M = 4 119 vs 114, M = 6 103 vs 114, M = 8
 # NVFP4 134 vs 129 (int4 113 vs 115). At N = 8192 (4 consumer warps, split K) it lost: 8192x28672 M = 8
-# NVFP4 71 vs 91.
+# NVFP4 71 vs 91. 8-bit weights the same below M = 25 (above, the lock-step build runs; v14): 28672x8192
+# int8 / MXFP8 M = 4 (32 KB) 86 vs 94 / 98 vs 102, M = 8 (65 KB) 115 vs 94 / 123 vs 101, M = 16 116 vs 100 /
+# 117 vs 107, M = 24 128 vs 100 / 140 vs 108; 57344x8192 M = 2 163 vs 183, M = 4 (65 KB) 208 vs 187 / 226
+# vs 201, M = 8 and MXFP8 M = 12 tie, int8 M = 12 185 vs 201 (the one loss).
 SM90_SMEM_PER_SM = 228 * 1024
 
 
@@ -87,14 +90,14 @@ def _mma_plan(m: int, n: int, k: int, bits: int, sms: int, warps: int | None = N
 @functools.lru_cache(maxsize=None)  # per call shape: wo_mma asks on every call
 def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, int], sms: int) -> bool:
     """The warp-specialized build: tiled weights on sm_90, M = WS_MIN_M[dtype]..WGMMA_MAX_M, or smaller M
-    of wide 4-bit weights whose mma.sync x slice would crowd out that build's CTAs."""
+    of wide weights whose mma.sync x slice would crowd out that build's CTAs."""
     if capability[0] != 9 or not spec.tiled or m > WGMMA_MAX_M:
         return False
-    bits = spec.dtype.bits
     if m >= WS_MIN_M[spec.dtype]:
         return True
-    if bits != 4 or ws_launch(m, n, sms) != (16, 1):
+    if m >= WGMMA_MIN_M or ws_launch(m, n, sms) != (16, 1):  # (8-bit M = 25..56: the lock-step build)
         return False
+    bits = spec.dtype.bits
     return x_bytes(m, _mma_plan(m, n, k, bits, sms)[2], bits) > SM90_SMEM_PER_SM // 4
 
 

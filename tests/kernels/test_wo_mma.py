@@ -163,7 +163,11 @@ def test_wgmma_selection_and_shared_memory():
     assert [m for m in range(1, 9) if ws("nvfp4", m, n=57344)] == [4, 5, 7, 8]  # M = 6: split 2, 52 KB
     assert not any(ws(name, m, n=n, k=k) for name in ("int4_g128", "nvfp4") for m in range(1, 12)
                    for n, k in ((8192, 8192), (28672, 4096), (4096, 14336), (14336, 4096), (8192, 28672)))
-    assert not any(ws("int8_channel_packed", m, n=28672) for m in range(1, 57))  # 8-bit: no small-M exception
+    # 8-bit weights the same way below the lock-step build's M = 25: N = 28672 from M = 8 (65 KB), N = 57344
+    # at M = 4, 5 (split 1) and from 8; M = 25..56 (int8) stays on the lock-step build
+    assert [m for m in range(1, 57) if ws("int8_channel_packed", m, n=28672)] == list(range(8, 25))
+    assert [m for m in range(1, 49) if ws("mxfp8", m, n=57344)] == [4, 5] + list(range(8, 25))
+    assert not any(ws("int8_channel_packed", m) for m in range(1, 57))
     # early launch_dependents: the mma.sync build on tiled weights; the warp-specialized one but at M > 16
     # with K > 8192; not the lock-step wgmma build, nor canonical words
     trig = wo_mma.trig_default
