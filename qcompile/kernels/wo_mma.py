@@ -647,31 +647,30 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     if ws is None:  # a caller's wgmma=True / False asks for that build
         ws = wgmma is None and ws_default(spec, m, n, k, cap, sms)
     if wgmma is None and not ws:
-        wgmma = wgmma_default(x2.shape[0], cap)
+        wgmma = wgmma_default(m, cap)
     if ws:
-        if not packed or cap[0] != 9 or x2.shape[0] > WGMMA_MAX_M:
+        if not packed or cap[0] != 9 or m > WGMMA_MAX_M:
             raise ValueError(f"wo_mma: the warp-specialized build streams tiled weights on an sm_90 GPU, M <= "
-                             f"{WGMMA_MAX_M}; have tiled={packed}, sm_{cap[0]}{cap[1]}, M = {x2.shape[0]}")
+                             f"{WGMMA_MAX_M}; have tiled={packed}, sm_{cap[0]}{cap[1]}, M = {m}")
         d_warps, d_per_sm = ws_launch(m, n, sms)
         warps = warps or d_warps
         if warps_per_sm is None:
             warps_per_sm, minb = d_per_sm * warps, max(minb, d_per_sm)
         wgmma, xstages = True, xstages or (3 if warps >= 16 else 4)
     elif wgmma:
-        if cap[0] != 9 or x2.shape[0] > WGMMA_MAX_M:
+        if cap[0] != 9 or m > WGMMA_MAX_M:
             raise ValueError(f"wo_mma: the wgmma build needs an sm_90 GPU and M <= {WGMMA_MAX_M}, "
-                             f"have sm_{cap[0]}{cap[1]} and M = {x2.shape[0]}")
-        d_warps, d_wps = wgmma_launch(spec.dtype.bits, x2.shape[0])
+                             f"have sm_{cap[0]}{cap[1]} and M = {m}")
+        d_warps, d_wps = wgmma_launch(spec.dtype.bits, m)
         warps, warps_per_sm = warps or d_warps, warps_per_sm or d_wps
-    elif x2.shape[0] > MAX_M:
-        raise ValueError(f"wo_mma: the mma.sync build takes M <= {MAX_M}, have M = {x2.shape[0]}")
+    elif m > MAX_M:
+        raise ValueError(f"wo_mma: the mma.sync build takes M <= {MAX_M}, have M = {m}")
     auto_kw = kw is None and packed and not wgmma and not (warps or stages or warps_per_sm or split)
-    kw = kw or 1
-    if kw > 1 and (wgmma or (warps or MMA_WARPS) % kw):
+    kw, warps = kw or 1, warps or MMA_WARPS
+    if kw > 1 and (wgmma or warps % kw):
         raise ValueError(f"wo_mma: kw={kw} (warps sharing a tile) takes the mma.sync build with warps a multiple "
-                         f"of it, have wgmma={wgmma}, warps={warps or MMA_WARPS}")
+                         f"of it, have wgmma={wgmma}, warps={warps}")
     xstages = xstages or 4
-    warps = warps or MMA_WARPS
     d_stages, d_wps = LAUNCH[packed]
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
     mt = -(-m // 8)
