@@ -120,6 +120,23 @@ def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
 KW_MAX_SPLIT = 2
 KW_X_SHARE = 0.9
 KW_CHUNK_GROWTH = 1.3
+# From this M shared tiles also replace a split reduced in a cluster: H100, 10 shapes, M = 5..11, int4 /
+# NVFP4, us, cluster plan -> mma_launch, two device calls (docs/kernels-wo.md, v15): 8192^2 M = 8 18.1 ->
+# 16.5 / 22.2 -> 19.1, M = 11 21.5 -> 20.2 / 26.5 -> 22.7; 16384x8192 M = 6 32.6 -> 28.7 / 42.5 -> 33.7;
+# 12288x4096 M = 8 15.0 -> 14.2 / 18.7 -> 17.4; worst 14336x4096 int4 M = 11, +0.2. Below M = 5 the
+# cluster plans stay (v13: sharing lost up to 4.3 us there).
+KW_CLUSTER_MIN_M = 5
+# Up to this many 8-token tiles, two mma.sync launches on tiled weights (sm_90) are compiled for the CTAs
+# per SM their plan assumes (__launch_bounds__ minimum blocks: 64 registers at 32 warps per SM): the
+# shared-tile launches, and 8-warp plans reduced in a cluster. Left to itself ptxas gave int4 g128 at
+# M = 9..16 70 registers (3 of 4 planned CTAs per SM) and other formats fewer than fit, 48-57. H100,
+# us, uncapped -> capped (docs/kernels-wo.md, v15): shared tiles, NVFP4 M = 1..4 at 6 shapes 0.3-0.6
+# faster (8192^2 17.1 -> 16.5), int4 unchanged; cluster plans, 28672x4096 MXFP8 M = 1..8 47.3 -> 42.5 ..
+# 52.1 -> 45.1, int8 1.2-1.9 faster, 16384x8192 NVFP4 M = 11 45.0 -> 40.1, 28672x8192 NVFP4 about 1 faster,
+# 11008x4096 int4 M = 11 2.3 slower (the one loss). 8-warp plans reduced through global memory stay
+# uncapped: capped they ran 2-3.5 us slower at 5 of 7 shapes on one machine and faster on another. From
+# 3 tiles the cap spills (int4: 56-104 bytes of stack).
+REG_CAP_MAX_MT = 2
 
 
 @functools.lru_cache(maxsize=None)  # per call shape
@@ -182,6 +199,30 @@ def max_m(spec: WeightSpec, capability: tuple[int, int]) -> int:
     if capability[0] != 9:
         return MAX_M
     return SM90_MAX_M_INT4 if spec.dtype is QDtype.INT4 and not spec.tiled else WGMMA_MAX_M
+
+
+def default_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, split: int | None,
+                   warps_per_sm: int, smem_budget: int, max_cluster: int) -> tuple:
+    """:func:`launch_plan` of the mma.sync build on tiled weights with the launch left to ``wo_mma``
+    (``base``: :data:`MMA_WARPS` warps, kw = 1), and the policy on top of it on sm_90: warps sharing
+    tiles (:func:`mma_launch`) in place of a split reduced through global memory, or from
+    :data:`KW_CLUSTER_MIN_M` in a cluster; the shared-tile launches and the remaining cluster plans
+    compiled for the CTAs per SM they plan (:data:`REG_CAP_MAX_MT`)."""
+    plan_args = (m, n, k, device, split, warps_per_sm, smem_budget, max_cluster)
+    chosen = launch_plan(base, *plan_args)
+    cfg, nsplit = chosen[0], chosen[3]
+    cap = _capability(_index(device))
+    cap_regs = cap[0] == 9 and base.mt <= REG_CAP_MAX_MT and base.minb == 1
+    if nsplit > 1 and (cfg.cluster == 1 or m >= KW_CLUSTER_MIN_M):
+        warps, kw, kw_split = mma_launch(m, n, k, base.bits, cap, _sm_count(device))
+        if kw > 1:
+            shared = replace(base, warps=warps, kw=kw, minb=warps_per_sm // warps if cap_regs else base.minb)
+            return launch_plan(shared, m, n, k, device, kw_split, warps_per_sm, smem_budget, max_cluster)
+    if cap_regs and cfg.cluster > 1:
+        capped = launch_plan(replace(base, minb=warps_per_sm // base.warps), *plan_args)
+        if capped[0].cluster > 1:
+            return capped
+    return chosen
 
 
 def wgmma_launch(bits: int, m: int) -> tuple[int, int]:
@@ -665,7 +706,8 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
         warps, warps_per_sm = warps or d_warps, warps_per_sm or d_wps
     elif m > MAX_M:
         raise ValueError(f"wo_mma: the mma.sync build takes M <= {MAX_M}, have M = {m}")
-    auto_kw = kw is None and packed and not wgmma and not (warps or stages or warps_per_sm or split)
+    # the mma.sync launch left to wo_mma on tiled weights
+    auto = kw is None and packed and not wgmma and not (warps or stages or warps_per_sm or split)
     kw, warps = kw or 1, warps or MMA_WARPS
     if kw > 1 and (wgmma or warps % kw):
         raise ValueError(f"wo_mma: kw={kw} (warps sharing a tile) takes the mma.sync build with warps a multiple "
@@ -681,14 +723,8 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
                      zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, pdl=pdl,
                      wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg, trig=trig, kw=kw, xf16=xf16)
-    cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm, smem_budget,
-                                                     max_cluster)
-    if auto_kw and nsplit > 1 and cfg.cluster == 1:  # split K reduced through global memory: share tiles instead
-        warps, kw, split = mma_launch(m, n, k, cfg.bits, cap, sms)
-        if kw > 1:
-            base = replace(base, warps=warps, kw=kw)
-            cfg, kern, cols, nsplit, cps, smem = launch_plan(base, m, n, k, x2.device, split, warps_per_sm,
-                                                             smem_budget, max_cluster)
+    plan_args = (m, n, k, x2.device, split, warps_per_sm, smem_budget, max_cluster)
+    cfg, kern, cols, nsplit, cps, smem = (default_launch(base, *plan_args) if auto else launch_plan(base, *plan_args))
     gran = spec.scale.granularity
     s = scale.contiguous()
     if s.dtype != torch.float32:

@@ -413,24 +413,31 @@ def test_gpu_mma_fp16_matches_reference(name, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (tile sharing is chosen there)")
-def test_gpu_mma_shares_tiles_in_place_of_global_reduction():
-    """The default launch shares tiles (mma_launch) only where the kw = 1 plan would reduce split K
-    through global memory: 4096^2 M = 1 (split 16, too many for a cluster), not 14336x4096 M = 1
-    (split 4 in a cluster on the H100), nor M = 8 (x too large)."""
+def test_gpu_mma_default_launch_policy(monkeypatch):
+    """The default launch on tiled weights (wo_mma.default_launch, H100): warps share tiles in place of a
+    split reduced through global memory (4096^2 M = 1: split 16), or in a cluster from M = 5
+    (14336x4096 M = 8); not where the x slices would not fit (4096^2 M = 8), nor below M = 5 in a
+    cluster (14336x4096 M = 1). Shared-tile launches and cluster plans are compiled for the CTAs per SM
+    they plan (minb), plans reduced through global memory are not; every launch matches the reference."""
     spec = replace(SPECS["int4_g128"], tiled=True)
+    launched = []
+    default = wo_mma.default_launch
+    monkeypatch.setattr(wo_mma, "default_launch", lambda *a: launched.append(default(*a)) or launched[-1])
     chosen = {}
-    for m, n, k in ((1, 4096, 4096), (8, 4096, 4096), (1, 14336, 4096)):
+    for m, n, k in ((1, 4096, 4096), (8, 4096, 4096), (1, 14336, 4096), (8, 14336, 4096)):
         case = _gpu_case("int4_g128", m, n, k, torch.bfloat16, seed=3)
-        wo_mma._PLANS.clear()
         out = wo_mma.wo_mma(case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"], None, None,
                             case["bias"], spec)
         _check(out, case, k, f"M={m} {n}x{k}")
-        plans = [v for v in wo_mma._PLANS.values()]
-        chosen[(m, n)] = (plans[-1][0].kw, plans[-1][0].warps, plans[-1][3])  # (kw, warps, split) launched
-        if len(plans) == 2:  # the kw = 1 plan that was replaced reduced through global memory
-            assert plans[0][0].cluster == 1 and plans[0][3] > 1
-    assert chosen[(1, 4096)] == (16, 16, 1)
-    assert chosen[(8, 4096)][0] == 1 and chosen[(1, 14336)][0] == 1
+        cfg, split = launched[-1][0], launched[-1][3]
+        chosen[(m, n)] = (cfg.kw, cfg.warps, split, cfg.cluster, cfg.minb)
+    assert chosen[(1, 4096)] == (16, 16, 1, 1, 2)
+    kw, _, split, cluster, minb = chosen[(8, 4096)]
+    assert kw == 1 and split > 1 and cluster == 1 and minb == 1
+    kw, warps, _, cluster, minb = chosen[(1, 14336)]
+    assert kw == 1 and cluster > 1 and minb == 32 // warps
+    kw, warps, _, _, minb = chosen[(8, 14336)]
+    assert kw > 1 and minb == 2
 
 
 @pytest.mark.gpu
