@@ -105,13 +105,14 @@ def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
 # partial sums added in shared memory. More warps per tile leave fewer K splits to reduce across CTAs
 # (through global memory or a cluster: at 8192^2 M = 1 that epilogue cost about 2 us on the H100), but
 # every CTA stages x for a longer K range. Taken on sm_90 in place of a plan that reduces split K through
-# global memory, while the split stays <= KW_MAX_SPLIT, the CTAs fit in one wave and the x staged on an SM
-# stays within KW_X_SHARE of the weight bytes it streams; 16 warps per CTA from 4 per tile (fewer CTAs
+# global memory (from KW_CLUSTER_MIN_M also in a cluster: default_launch), while the split stays <=
+# KW_MAX_SPLIT, the CTAs fit in one wave and the x staged on an SM stays within KW_X_SHARE of the weight
+# bytes it streams; 16 warps per CTA from 4 per tile (fewer CTAs
 # stage x: 16384x8192 M = 4 26.9 against 38.2 with 8). H100, int4 / NVFP4, us, kw = 1 -> mma_launch
 # (docs/kernels-wo.md, v13): 8192^2 M = 1 17.5-18.1 -> 13.7 / 21.8 -> 16.8, M = 4 19.0 -> 15.2 / 22.3 ->
 # 18.5; 4096x14336 M = 1 16.7 -> 12.7; 4096^2 M = 1 9.5 -> 5.4; 16384x8192 M = 1 26.8 -> 25.6. Where the
 # plan reduced in a cluster it lost up to 4 us with 8 warps per CTA (28672x8192 M = 3, 14336x4096 M = 4),
-# so it is left there.
+# so it is left there below KW_CLUSTER_MIN_M.
 # Where the rounded split would spill the CTAs into a second wave, no split is tried instead, with fewer
 # warps than the SMs hold: taken while each warp streams at most KW_CHUNK_GROWTH times the chunks it
 # would without shared tiles (H100, int4 / NVFP4: 5120^2 M = 1 9.3 -> 8.3 / 11.1 -> 10.7 us, 5 chunks per
@@ -120,22 +121,22 @@ def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
 KW_MAX_SPLIT = 2
 KW_X_SHARE = 0.9
 KW_CHUNK_GROWTH = 1.3
-# From this M shared tiles also replace a split reduced in a cluster: H100, 10 shapes, M = 5..11, int4 /
-# NVFP4, us, cluster plan -> mma_launch, two device calls (docs/kernels-wo.md, v15): 8192^2 M = 8 18.1 ->
-# 16.5 / 22.2 -> 19.1, M = 11 21.5 -> 20.2 / 26.5 -> 22.7; 16384x8192 M = 6 32.6 -> 28.7 / 42.5 -> 33.7;
-# 12288x4096 M = 8 15.0 -> 14.2 / 18.7 -> 17.4; worst 14336x4096 int4 M = 11, +0.2. Below M = 5 the
-# cluster plans stay (v13: sharing lost up to 4.3 us there).
+# From this M shared tiles also replace a split reduced in a cluster. H100, same-call A/B over 9 shapes x
+# 4 formats (docs/kernels-wo.md, v15), int4 / NVFP4, us, cluster plan -> shared tiles: 8192^2 M = 8
+# 18.8 -> 17.1 / 22.5 -> 19.3, M = 11 21.3 -> 20.1 / 26.5 -> 22.8; 16384x8192 M = 6 32.4 -> 28.6 / 43.1 ->
+# 33.9; MXFP8 8192^2 M = 6 28.3 -> 25.8; worst 28672x4096 int4 M = 6, +1.0. Below M = 5 the cluster plans
+# stay (v13: sharing lost up to 4.3 us there).
 KW_CLUSTER_MIN_M = 5
 # Up to this many 8-token tiles, two mma.sync launches on tiled weights (sm_90) are compiled for the CTAs
 # per SM their plan assumes (__launch_bounds__ minimum blocks: 64 registers at 32 warps per SM): the
 # shared-tile launches, and 8-warp plans reduced in a cluster. Left to itself ptxas gave int4 g128 at
-# M = 9..16 70 registers (3 of 4 planned CTAs per SM) and other formats fewer than fit, 48-57. H100,
-# us, uncapped -> capped (docs/kernels-wo.md, v15): shared tiles, NVFP4 M = 1..4 at 6 shapes 0.3-0.6
-# faster (8192^2 17.1 -> 16.5), int4 unchanged; cluster plans, 28672x4096 MXFP8 M = 1..8 47.3 -> 42.5 ..
-# 52.1 -> 45.1, int8 1.2-1.9 faster, 16384x8192 NVFP4 M = 11 45.0 -> 40.1, 28672x8192 NVFP4 about 1 faster,
-# 11008x4096 int4 M = 11 2.3 slower (the one loss). 8-warp plans reduced through global memory stay
-# uncapped: capped they ran 2-3.5 us slower at 5 of 7 shapes on one machine and faster on another. From
-# 3 tiles the cap spills (int4: 56-104 bytes of stack).
+# M = 9..16 70 registers (3 of 4 planned CTAs per SM) and other formats fewer than fit, 48-57. Same A/B,
+# uncapped -> capped: shared tiles NVFP4 M = 1 0.6-1.9 faster at 4 shapes (8192^2 17.0 -> 16.3), int4 the
+# same; cluster plans 28672x8192 MXFP8 M = 4 98.4 -> 87.9, 28672x4096 MXFP8 M = 8 52.3 -> 45.8, int8 1.3-1.8
+# faster, 16384x8192 NVFP4 M = 11 44.8 -> 39.6; slower where the capped replan took another split:
+# 11008x4096 int4 M = 11 +2.0, 16384x8192 8-bit M = 8 +1.3-1.9. 8-warp plans reduced through global
+# memory stay uncapped: capped they ran 2-3.5 us slower at 5 of 7 shapes on one machine and faster on
+# another. From 3 tiles the cap spills (int4: 56-104 bytes of stack).
 REG_CAP_MAX_MT = 2
 
 
@@ -676,8 +677,8 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     consumer warps plus two producers, ``nstg`` weight and ``xstages`` x slots; launch:
     :func:`ws_launch`; x rearranged first by its ``x_prep`` kernel). ``trig``: with PDL, let the next
     kernel launch from this one's start (default: :func:`trig_default`). ``kw``: mma.sync build, warps
-    sharing each 16-row tile (default 1; for tiled weights with the launch left to it, :func:`mma_launch`'s
-    where the plan would reduce split K through global memory)."""
+    sharing each 16-row tile (default 1; for tiled weights with the launch left to it,
+    :func:`default_launch` decides)."""
     packed = spec.tiled
     if pdl is None:
         pdl = _pdl_default(x2.device)
