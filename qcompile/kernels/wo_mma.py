@@ -208,8 +208,20 @@ def default_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device
     (``base``: :data:`MMA_WARPS` warps, kw = 1), and the policy on top of it on sm_90: warps sharing
     tiles (:func:`mma_launch`) in place of a split reduced through global memory, or from
     :data:`KW_CLUSTER_MIN_M` in a cluster; the shared-tile launches and the remaining cluster plans
-    compiled for the CTAs per SM they plan (:data:`REG_CAP_MAX_MT`)."""
+    compiled for the CTAs per SM they plan (:data:`REG_CAP_MAX_MT`). Cached per call shape: decided
+    once, one lookup on later calls."""
     plan_args = (m, n, k, device, split, warps_per_sm, smem_budget, max_cluster)
+    key = (base, m, n, k, _index(device), split, warps_per_sm, smem_budget, max_cluster)
+    if key not in _DEFAULTS:
+        _DEFAULTS[key] = _default_launch(base, plan_args)
+    return _DEFAULTS[key]
+
+
+_DEFAULTS: dict[tuple, tuple] = {}
+
+
+def _default_launch(base: MmaConfig, plan_args: tuple) -> tuple:
+    m, n, k, device, split, warps_per_sm, smem_budget, max_cluster = plan_args
     chosen = launch_plan(base, *plan_args)
     cfg, nsplit = chosen[0], chosen[3]
     cap = _capability(_index(device))
