@@ -72,7 +72,12 @@ typedef unsigned short u16;
 #ifndef KW
 #define KW 1
 #endif
-#define TPC (WARPS / KW)  // 16-row tiles per CTA
+// RT: 16-row tiles per warp (mma.sync build). Each x fragment loaded from shared memory feeds the MMAs of
+// RT tiles, so the shared-memory loads per weight byte fall RT-fold.
+#ifndef RT
+#define RT 1
+#endif
+#define TPC (WARPS / KW * RT)  // 16-row tiles per CTA
 #ifndef XF16
 #define XF16 0
 #endif
@@ -81,6 +86,9 @@ typedef unsigned short u16;
 #endif
 #if KW > 1 && (WGMMA || WS || WARPS % KW)
 #error "KW > 1: the mma.sync build, KW dividing WARPS"
+#endif
+#if RT > 1 && (WGMMA || WS)
+#error "RT > 1: the mma.sync build"
 #endif
 #define BITS ((FMT == FMT_INT4 || FMT == FMT_E2M1) ? 4 : 8)
 #define KPC (BITS == 4 ? 128 : 64)  // k per chunk (per row)
@@ -463,9 +471,10 @@ __device__ __forceinline__ float4 ld_dsmem4(u32 addr, int rank) {  // `addr` in 
 }
 
 // The epilogue of both kernels: the global scale, the bias and the 16-bit output; with split-K, the
-// reduction inside the cluster or through global memory. `warp` (the tile's index in the CTA) owns
-// rows n0 .. n0 + 15 of the CTA's TPC * 16 (inactive warps: none); every thread of the CTA calls it.
-__device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int warp, int n0,
+// reduction inside the cluster or through global memory. The warp's RT tiles (acc[j * MT + t] of
+// tile j) are the CTA's tiles `tile` .. `tile` + RT - 1, rows n0 .. n0 + 16 RT - 1 of its TPC * 16
+// (rows from N on, or an inactive warp: none); every thread of the CTA calls it.
+__device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active, int tile, int n0,
                                           const float* __restrict__ gs, const u16* __restrict__ bias,
                                           u16* __restrict__ out, float* __restrict__ part,
                                           int* __restrict__ counters, int M, int N, unsigned char* xs) {
@@ -475,11 +484,11 @@ __device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int 
   if (gridDim.y == 1) {
     if (active) {
 #pragma unroll
-      for (int t = 0; t < MT; t++)
+      for (int t = 0; t < RT * MT; t++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-          const int tok = t * 8 + 2 * q + (i & 1), n = n0 + r + (i >> 1) * 8;
-          if (tok < M) {
+          const int tok = t % MT * 8 + 2 * q + (i & 1), n = n0 + t / MT * 16 + r + (i >> 1) * 8;
+          if (tok < M && n < N) {
             float v = acc[t][i] * g;
 #if HAS_BIAS
             v += h_to_f32(bias[n]);
@@ -499,11 +508,11 @@ __device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int 
   __syncthreads();
   if (active) {
 #pragma unroll
-    for (int t = 0; t < MT; t++)
+    for (int t = 0; t < RT * MT; t++)
 #pragma unroll
       for (int i = 0; i < 4; i++) {
-        const int tok = t * 8 + 2 * q + (i & 1);
-        if (tok < M) red[tok * NR + warp * 16 + r + (i >> 1) * 8] = acc[t][i];
+        const int tok = t % MT * 8 + 2 * q + (i & 1);
+        if (tok < M) red[tok * NR + (tile + t / MT) * 16 + r + (i >> 1) * 8] = acc[t][i];
       }
   }
   cluster_sync();
@@ -541,11 +550,11 @@ __device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int 
   if (active) {
     float* p = part + (size_t)blockIdx.y * M * N;
 #pragma unroll
-    for (int t = 0; t < MT; t++)
+    for (int t = 0; t < RT * MT; t++)
 #pragma unroll
       for (int i = 0; i < 4; i++) {
-        const int tok = t * 8 + 2 * q + (i & 1), n = n0 + r + (i >> 1) * 8;
-        if (tok < M) p[(size_t)tok * N + n] = acc[t][i];
+        const int tok = t % MT * 8 + 2 * q + (i & 1), n = n0 + t / MT * 16 + r + (i >> 1) * 8;
+        if (tok < M && n < N) p[(size_t)tok * N + n] = acc[t][i];
       }
   }
   __threadfence();
@@ -559,8 +568,9 @@ __device__ __forceinline__ void store_out(float (&acc)[MT][4], bool active, int 
   __syncthreads();
   if (!is_last || !active) return;
   __threadfence();
-  for (int i = lane; i < 16 * M; i += 32) {
-    const int tok = i >> 4, n = n0 + (i & 15);
+  for (int i = lane; i < 16 * RT * M; i += 32) {
+    const int tok = i / (16 * RT), n = n0 + i % (16 * RT);
+    if (n >= N) continue;
     float v = 0.f;
     for (int sp = 0; sp < (int)gridDim.y; sp++) v += ld_cg(part + ((size_t)sp * M + tok) * N + n);
     v *= g;
@@ -589,7 +599,8 @@ WO_MMA_KERNEL {
   extern __shared__ __align__(16) unsigned char xs[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane >> 2, q = lane & 3;
-  const int n0 = (blockIdx.x * TPC + warp / KW) * 16;
+  const int tile = warp / KW * RT;  // this warp's first tile in the CTA
+  const int n0 = (blockIdx.x * TPC + tile) * 16;
   const bool active = n0 < N;  // N % 16 == 0; idle warps still join the barriers
   const int nch = K / KPC;
   const int c0 = blockIdx.y * cps, c1 = min(c0 + cps, nch);
@@ -604,24 +615,37 @@ WO_MMA_KERNEL {
 #define CH_STRIDE 256
   const u32* wa = w + (size_t)(active ? n0 / 16 : 0) * nch * 256 + lane * 4;
   const u32* wb = wa + 128;
+  const size_t tstride = (size_t)nch * 256;  // words from one tile to the next
 #else
 #define CH_STRIDE 16
   const u32* wa = w + (size_t)rowa * wpr + q * 4;
   const u32* wb = wa + (size_t)8 * wpr;
+  const size_t tstride = (size_t)16 * wpr;
 #endif
 
-  // Per-lane scale / zero-point row bases.
+  // Per-lane scale / zero-point row bases; tile j's offsets from tile 0 (tiles from N on read tile 0's
+  // rows, their outputs are dropped).
   const int sra = rowa * ss, srb = (rowa + 8) * ss;
+  size_t wo[RT];
+  int so[RT];
+#pragma unroll
+  for (int j = 0; j < RT; j++) {
+    const int tj = n0 + 16 * j < N ? j : 0;
+    wo[j] = tj * tstride;
+    so[j] = tj * 16 * ss;
+  }
 
   // wgmma is warpgroup-wide: idle warps run the loop too (on rows 0..15), only their outputs are dropped
   const bool run = WGMMA || active;
-  U4 ra[STAGES], rb[STAGES];
+  U4 ra[RT][STAGES], rb[RT][STAGES];
 #pragma unroll
   for (int i = 0; i < STAGES; i++)
-    if (run && w0 + i < w1) {
-      ra[i] = ld_stream(wa + (size_t)(w0 + i) * CH_STRIDE);
-      rb[i] = ld_stream(wb + (size_t)(w0 + i) * CH_STRIDE);
-    }
+    if (run && w0 + i < w1)
+#pragma unroll
+      for (int j = 0; j < RT; j++) {
+        ra[j][i] = ld_stream(wa + wo[j] + (size_t)(w0 + i) * CH_STRIDE);
+        rb[j][i] = ld_stream(wb + wo[j] + (size_t)(w0 + i) * CH_STRIDE);
+      }
   // the first chunks' scales and zero points (like the weights, not written by the previous kernel)
 #if WGMMA
   ChunkConsts kc[2];  // chunk j's in kc[(j - c0) % 2], loaded a chunk before its decode
@@ -665,15 +689,20 @@ WO_MMA_KERNEL {
   const u32 xlane = smem_addr(xs) + X_SEG(q);
 #endif
 
-  float acc[MT][4];
+  float acc[RT * MT][4];  // tile j, token tile t: acc[j * MT + t]
 #pragma unroll
-  for (int t = 0; t < MT; t++)
+  for (int t = 0; t < RT * MT; t++)
 #pragma unroll
     for (int i = 0; i < 4; i++) acc[t][i] = 0.f;
 
   // Row constants for tensor / channel scales and zero points.
 #if SMODE == SMODE_END
-  const float s_a = scale_f32(s, sra), s_b = scale_f32(s, srb);
+  float s_a[RT], s_b[RT];
+#pragma unroll
+  for (int j = 0; j < RT; j++) {
+    s_a[j] = scale_f32(s, sra + so[j]);
+    s_b[j] = scale_f32(s, srb + so[j]);
+  }
 #endif
 
 #if WGMMA
@@ -682,12 +711,12 @@ WO_MMA_KERNEL {
   // Two barriers per chunk: B(ch) complete before its wgmmas; every warpgroup's wgmmas of ch - 1 done
   // before their B buffer and fragments are overwritten.
   u32 af[2][KPC / 16][4];
-  decode_chunk(ra[0], rb[0], kc[0], [&](int k16, u32 a0, u32 a1, u32 a2, u32 a3) {
+  decode_chunk(ra[0][0], rb[0][0], kc[0], [&](int k16, u32 a0, u32 a1, u32 a2, u32 a3) {
     af[0][k16][0] = a0; af[0][k16][1] = a1; af[0][k16][2] = a2; af[0][k16][3] = a3;
   });
   if (c0 + STAGES < c1) {
-    ra[0] = ld_stream(wa + (size_t)(c0 + STAGES) * CH_STRIDE);
-    rb[0] = ld_stream(wb + (size_t)(c0 + STAGES) * CH_STRIDE);
+    ra[0][0] = ld_stream(wa + (size_t)(c0 + STAGES) * CH_STRIDE);
+    rb[0][0] = ld_stream(wb + (size_t)(c0 + STAGES) * CH_STRIDE);
   }
   for (int c = c0; c < c1; c += STAGES) {
 #pragma unroll
@@ -713,13 +742,13 @@ WO_MMA_KERNEL {
           const int sl = (ch - c0) % XSTAGES, sn = (st + 1) % STAGES;
           x_copy(xstage + sl * XSTAGE, x, M, K, ch + XSTAGES, ch + XSTAGES < c1);
           x_transform(xstage + ((sl + 1) % XSTAGES) * XSTAGE, xbufs + (p ^ 1) * XBUF, M);
-          decode_chunk(ra[sn], rb[sn], kc[p ^ 1], [&](int k16, u32 a0, u32 a1, u32 a2, u32 a3) {
+          decode_chunk(ra[0][sn], rb[0][sn], kc[p ^ 1], [&](int k16, u32 a0, u32 a1, u32 a2, u32 a3) {
             af[p ^ 1][k16][0] = a0; af[p ^ 1][k16][1] = a1; af[p ^ 1][k16][2] = a2; af[p ^ 1][k16][3] = a3;
           });
           if (ch + 2 < c1) kc[p] = chunk_consts(ch + 2, q, sra, srb, s, zp);
           if (ch + 1 + STAGES < c1) {
-            ra[sn] = ld_stream(wa + (size_t)(ch + 1 + STAGES) * CH_STRIDE);
-            rb[sn] = ld_stream(wb + (size_t)(ch + 1 + STAGES) * CH_STRIDE);
+            ra[0][sn] = ld_stream(wa + (size_t)(ch + 1 + STAGES) * CH_STRIDE);
+            rb[0][sn] = ld_stream(wb + (size_t)(ch + 1 + STAGES) * CH_STRIDE);
           }
         }
       }
@@ -736,17 +765,19 @@ WO_MMA_KERNEL {
         const int ch = c + st;
         if (ch < w1) {
 #if SMODE == SMODE_CHUNK
-          float tmp[MT][4];
+          float tmp[RT * MT][4];
 #pragma unroll
-          for (int t = 0; t < MT; t++)
+          for (int t = 0; t < RT * MT; t++)
 #pragma unroll
             for (int i = 0; i < 4; i++) tmp[t][i] = 0.f;
 #define DST tmp
 #else
 #define DST acc
 #endif
-          const ChunkConsts kc = chunk_consts(ch, q, sra, srb, s, zp);
-          // x units of this chunk, per token tile (zeros for rows >= M)
+          ChunkConsts kc[RT];
+#pragma unroll
+          for (int j = 0; j < RT; j++) kc[j] = chunk_consts(ch, q, sra + so[j], srb + so[j], s, zp);
+          // x units of this chunk, per token tile (zeros for rows >= M), for all RT tiles
           U4 X[MT][UNITS];
 #pragma unroll
           for (int t = 0; t < MT; t++) {
@@ -759,29 +790,36 @@ WO_MMA_KERNEL {
             }
           }
           // step k16's x: 4-bit, pairs (0,4) (1,5) of unit k16 / 2 or (2,6) (3,7); 8-bit, words 0-1 or 2-3
-          decode_chunk(ra[st], rb[st], kc, [&](int k16, u32 a0, u32 a1, u32 a2, u32 a3) {
 #pragma unroll
-            for (int t = 0; t < MT; t++) {
-              const U4 xv = X[t][k16 >> 1];
-              mma(DST[t], a0, a1, a2, a3, xv.v[(k16 & 1) * 2], xv.v[(k16 & 1) * 2 + 1]);
-            }
-          });
+          for (int j = 0; j < RT; j++)
+            decode_chunk(ra[j][st], rb[j][st], kc[j], [&](int k16, u32 a0, u32 a1, u32 a2, u32 a3) {
+#pragma unroll
+              for (int t = 0; t < MT; t++) {
+                const U4 xv = X[t][k16 >> 1];
+                mma(DST[j * MT + t], a0, a1, a2, a3, xv.v[(k16 & 1) * 2], xv.v[(k16 & 1) * 2 + 1]);
+              }
+            });
 #if SMODE == SMODE_CHUNK
           const int gi = group_index(ch, q);
-          const float cs_a = scale_f32(s, sra + gi), cs_b = scale_f32(s, srb + gi);
 #pragma unroll
-          for (int t = 0; t < MT; t++) {
-            acc[t][0] += tmp[t][0] * cs_a;
-            acc[t][1] += tmp[t][1] * cs_a;
-            acc[t][2] += tmp[t][2] * cs_b;
-            acc[t][3] += tmp[t][3] * cs_b;
+          for (int j = 0; j < RT; j++) {
+            const float cs_a = scale_f32(s, sra + so[j] + gi), cs_b = scale_f32(s, srb + so[j] + gi);
+#pragma unroll
+            for (int t = j * MT; t < (j + 1) * MT; t++) {
+              acc[t][0] += tmp[t][0] * cs_a;
+              acc[t][1] += tmp[t][1] * cs_a;
+              acc[t][2] += tmp[t][2] * cs_b;
+              acc[t][3] += tmp[t][3] * cs_b;
+            }
           }
 #endif
 #undef DST
-          if (ch + STAGES < w1) {  // refill this stage once its words are decoded
-            ra[st] = ld_stream(wa + (size_t)(ch + STAGES) * CH_STRIDE);
-            rb[st] = ld_stream(wb + (size_t)(ch + STAGES) * CH_STRIDE);
-          }
+          if (ch + STAGES < w1)  // refill this stage once its words are decoded
+#pragma unroll
+            for (int j = 0; j < RT; j++) {
+              ra[j][st] = ld_stream(wa + wo[j] + (size_t)(ch + STAGES) * CH_STRIDE);
+              rb[j][st] = ld_stream(wb + wo[j] + (size_t)(ch + STAGES) * CH_STRIDE);
+            }
         }
       }
     }
@@ -796,15 +834,15 @@ WO_MMA_KERNEL {
   __syncthreads();
   if (active && kp > 0)
 #pragma unroll
-    for (int t = 0; t < MT; t++)
-      red[(((kp - 1) * TPC + warp / KW) * MT + t) * 32 + lane] =
+    for (int t = 0; t < RT * MT; t++)
+      red[(((kp - 1) * TPC + tile) * MT + t) * 32 + lane] =
           make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
   __syncthreads();
   if (active && kp == 0)
     for (int j = 1; j < KW; j++)
 #pragma unroll
-      for (int t = 0; t < MT; t++) {
-        const float4 v = red[(((j - 1) * TPC + warp / KW) * MT + t) * 32 + lane];
+      for (int t = 0; t < RT * MT; t++) {
+        const float4 v = red[(((j - 1) * TPC + tile) * MT + t) * 32 + lane];
         acc[t][0] += v.x; acc[t][1] += v.y; acc[t][2] += v.z; acc[t][3] += v.w;
       }
   const bool owner = active && kp == 0;
@@ -813,11 +851,11 @@ WO_MMA_KERNEL {
 #endif
 #if SMODE == SMODE_END
 #pragma unroll
-  for (int t = 0; t < MT; t++) {
-    acc[t][0] *= s_a; acc[t][1] *= s_a; acc[t][2] *= s_b; acc[t][3] *= s_b;
+  for (int t = 0; t < RT * MT; t++) {
+    acc[t][0] *= s_a[t / MT]; acc[t][1] *= s_a[t / MT]; acc[t][2] *= s_b[t / MT]; acc[t][3] *= s_b[t / MT];
   }
 #endif
-  store_out(acc, owner, warp / KW, n0, gs, bias, out, part, counters, M, N, xs);
+  store_out(acc, owner, tile, n0, gs, bias, out, part, counters, M, N, xs);
 }
 #else  // WS
 // x [M, K] -> xp: for each chunk, x as the wgmma build's B operand (XBUF bytes, see x_transform),

@@ -90,8 +90,9 @@ def _mma_plan(m: int, n: int, k: int, bits: int, sms: int, warps: int | None = N
 @functools.lru_cache(maxsize=None)  # per call shape: wo_mma asks on every call
 def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, int], sms: int) -> bool:
     """The warp-specialized build: tiled weights on sm_90, M = WS_MIN_M[dtype]..WGMMA_MAX_M, or smaller M
-    of wide weights whose mma.sync x slice would crowd out that build's CTAs."""
-    if capability[0] != 9 or not spec.tiled or m > WGMMA_MAX_M:
+    of wide weights whose mma.sync x slice would crowd out that build's CTAs; not where the mma.sync build
+    with two tiles per warp runs (:func:`rt_default`)."""
+    if capability[0] != 9 or not spec.tiled or m > WGMMA_MAX_M or rt_default(spec, m, n, k, capability, sms):
         return False
     if m >= WS_MIN_M[spec.dtype]:
         return True
@@ -170,6 +171,55 @@ def mma_launch(m: int, n: int, k: int, bits: int, capability: tuple[int, int],
     return MMA_WARPS, 1, None
 
 
+
+# RT = 2 (two 16-row tiles per warp, one x fragment load for both): 16 warps per CTA, 128 registers, so
+# one CTA per SM; its x slice may then take most of the SM's shared memory. Taken on sm_90 for tiled
+# weights at 2 token tiles (M = 9..16), in place of the warp-specialized build (4-bit from M = 12, wide
+# weights) and the one-tile mma.sync launches: the first of rt_candidates whose split is reduced in a
+# cluster (rt_launch). H100, same call, 9 shapes x 4 formats x M = 9, 12, 16 (docs/kernels-wo.md, v16),
+# us, default -> rt: 8192^2 int4 M = 16 20.5 -> 19.0, NVFP4 25.1 -> 21.7; 28672x8192 int4 56.3 -> 50.0,
+# NVFP4 75.4 -> 63.0, MXFP8 106.9 -> 89.1; 11008x4096 NVFP4 28.9 -> 18.7; lost at 8192x28672 int4 M = 12, 16
+# (53.1 -> 55.8, 56.1: the first cluster that fits is 6 splits of one warp per tile), 11008x4096 int8
+# (+0.7-1.1), 8192^2 int8 M = 9, 12 (+0.5-1.0), 14336x4096 int4 M = 12, 16 (+0.2, +0.6).
+RT_SMEM = 200 * 1024
+RT_MT = 2  # token tiles of the two-tile launch (from 3, 128 registers do not hold it)
+
+
+def rt_candidates(m: int, n: int, k: int, bits: int, sms: int) -> list[tuple[int, int, int]]:
+    """(CTAs, warps per tile, split) of the mma.sync build with two tiles per warp, 16 warps per CTA and
+    one CTA per SM: every split up to MAX_CLUSTER whose CTAs fit in one wave, whose x slice fits
+    RT_SMEM and whose warps stream at least 2 chunks each; most CTAs first, then fewer splits."""
+    nch = k // KPC[bits]
+    out = []
+    for kw in (1, 2, 4, 8, 16):
+        cols = -(-(n // 16) // (16 // kw * 2))
+        for split in range(1, MAX_CLUSTER + 1):
+            cps = -(-nch // split)
+            if -(-nch // cps) != split or cols * split > sms:
+                continue
+            if x_bytes(m, cps, bits) <= RT_SMEM and cps >= 2 * kw:
+                out.append((cols * split, kw, split))
+    return sorted(out, key=lambda c: (-c[0], c[2]))
+
+
+@functools.lru_cache(maxsize=None)  # per call shape
+def rt_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, int], sms: int) -> bool:
+    """Whether the default launch tries two tiles per warp (:func:`rt_launch`): tiled weights on sm_90 at
+    RT_MT token tiles with some candidate launch."""
+    return (capability[0] == 9 and spec.tiled and -(-m // 8) == RT_MT
+            and bool(rt_candidates(m, n, k, spec.dtype.bits, sms)))
+
+
+def rt_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, max_cluster: int) -> tuple | None:
+    """:func:`launch_plan` of the first of :func:`rt_candidates` that runs without a split or reduces its
+    split in a cluster (its clusters all fit on the GPU); None if none does."""
+    for _, kw, split in rt_candidates(m, n, k, base.bits, _sm_count(device)):
+        cfg = replace(base, warps=16, kw=kw, rt=2, minb=1)
+        chosen = launch_plan(cfg, m, n, k, device, split, 16, RT_SMEM, max_cluster)
+        if split == 1 or chosen[0].cluster > 1:
+            return chosen
+    return None
+
 def trig_default(tiled: bool, wgmma: bool, ws: bool, m: int, k: int) -> bool:
     """Early launch_dependents (TRIG): the next call's CTAs take the SMs this call's first finishers
     leave. Same-call A/B on the H100 over 7 shapes (docs/kernels-wo.md, v12): the mma.sync build on tiled
@@ -205,8 +255,9 @@ def max_m(spec: WeightSpec, capability: tuple[int, int]) -> int:
 def default_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, split: int | None,
                    warps_per_sm: int, smem_budget: int, max_cluster: int) -> tuple:
     """:func:`launch_plan` of the mma.sync build on tiled weights with the launch left to ``wo_mma``
-    (``base``: :data:`MMA_WARPS` warps, kw = 1), and the policy on top of it on sm_90: warps sharing
-    tiles (:func:`mma_launch`) in place of a split reduced through global memory, or from
+    (``base``: :data:`MMA_WARPS` warps, kw = 1), and the policy on top of it on sm_90: at :data:`RT_MT`
+    token tiles two tiles per warp (:func:`rt_launch`) where a candidate's clusters fit; otherwise warps
+    sharing tiles (:func:`mma_launch`) in place of a split reduced through global memory, or from
     :data:`KW_CLUSTER_MIN_M` in a cluster; the shared-tile launches and the remaining cluster plans
     compiled for the CTAs per SM they plan (:data:`REG_CAP_MAX_MT`). Cached per call shape: decided
     once, one lookup on later calls."""
@@ -222,9 +273,13 @@ _DEFAULTS: dict[tuple, tuple] = {}
 
 def _default_launch(base: MmaConfig, plan_args: tuple) -> tuple:
     m, n, k, device, split, warps_per_sm, smem_budget, max_cluster = plan_args
+    cap = _capability(_index(device))
+    if split is None and cap[0] == 9 and base.mt == RT_MT:
+        chosen = rt_launch(base, m, n, k, device, max_cluster)
+        if chosen is not None:
+            return chosen
     chosen = launch_plan(base, *plan_args)
     cfg, nsplit = chosen[0], chosen[3]
-    cap = _capability(_index(device))
     cap_regs = cap[0] == 9 and base.mt <= REG_CAP_MAX_MT and base.minb == 1
     if nsplit > 1 and (cfg.cluster == 1 or m >= KW_CLUSTER_MIN_M):
         warps, kw, kw_split = mma_launch(m, n, k, base.bits, cap, _sm_count(device))
@@ -273,6 +328,7 @@ class MmaConfig:
     nstg: int = 8
     trig: bool = False  # PDL: the next kernel may launch from this one's start (else after the main loop)
     kw: int = 1  # mma.sync: warps per 16-row tile, splitting the CTA's K range (reduced in shared memory)
+    rt: int = 1  # mma.sync: 16-row tiles per warp (group of kw warps), sharing each x fragment load
     xf16: bool = False  # fp16 x and output, else bf16
 
     @property
@@ -283,6 +339,11 @@ class MmaConfig:
     def threads(self) -> int:
         return 32 * self.warps + (64 if self.ws else 0)
 
+    @property
+    def tiles(self) -> int:
+        """16-row tiles per CTA."""
+        return self.warps // self.kw * self.rt
+
 
     def defines(self) -> str:
         d = dict(FMT=self.fmt, SK=self.sk, SMODE=self.smode, GROUP=max(self.group, 1), HAS_ZP=int(self.has_zp),
@@ -290,7 +351,7 @@ class MmaConfig:
                  STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), CLUSTER=self.cluster,
                  PDL=int(self.pdl), WGMMA=int(self.wgmma), XSTAGES=self.xstages,
                  MINB=self.minb, WS=int(self.ws), NSTG=self.nstg, TRIG=int(self.trig), KW=self.kw,
-                 XF16=int(self.xf16))
+                 RT=self.rt, XF16=int(self.xf16))
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -500,11 +561,11 @@ def x_bytes(m: int, chunks: int, bits: int, wgmma: bool = False, xstages: int = 
 
 def plan(m: int, n: int, k: int, bits: int, warps: int, stages: int, sms: int, split: int | None = None,
          warps_per_sm: int = 16, smem_budget: int = SMEM_BUDGET, wgmma: bool = False,
-         kw: int = 1) -> tuple[int, int, int]:
+         kw: int = 1, rt: int = 1) -> tuple[int, int, int]:
     """(CTA columns, split, chunks per split): about ``warps_per_sm`` warps per SM, each streaming
     at least ``stages`` chunks, and the CTA's x slice within ``smem_budget`` bytes. ``kw`` warps share
-    each 16-row tile."""
-    cols = -(-(n // 16) // (warps // kw))
+    each 16-row tile; each (group of ``kw``) owns ``rt`` tiles."""
+    cols = -(-(n // 16) // (warps // kw * rt))
     nch = k // KPC[bits]
     if split is None:
         split = max(1, min(round(warps_per_sm * sms / (cols * warps)), nch // stages))
@@ -589,9 +650,9 @@ def _smem(m: int, cps: int, cfg: MmaConfig) -> int:
     else:
         smem = x_bytes(m, cps, cfg.bits, cfg.wgmma, cfg.xstages)
     if cfg.kw > 1:  # the other warps' partials of each tile reuse x's shared memory
-        smem = max(smem, (cfg.warps - cfg.warps // cfg.kw) * cfg.mt * 512)
+        smem = max(smem, (cfg.warps - cfg.warps // cfg.kw) * cfg.rt * cfg.mt * 512)
     if cfg.cluster > 1:  # the partials reuse x's shared memory: [M][tile rows] fp32
-        smem = max(smem, m * (cfg.warps // cfg.kw) * 16 * 4)
+        smem = max(smem, m * cfg.tiles * 16 * 4)
     return smem
 
 
@@ -631,7 +692,7 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
     bits, nch, sms = base.bits, k // KPC[base.bits], _sm_count(device)
     wg = base.wgmma
     cols, nsplit, cps = plan(m, n, k, bits, base.warps, base.stages, sms, split, warps_per_sm, smem_budget, wg,
-                             base.kw)
+                             base.kw, base.rt)
     shrink = m >= CLUSTER_SHRINK_MIN_M
     glob = replace(base, cluster=1)
 
@@ -677,7 +738,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
            warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET,
            max_cluster: int = MAX_CLUSTER, pdl: bool | None = None, wgmma: bool | None = None,
            xstages: int | None = None, minb: int = 1, ws: bool | None = None, nstg: int = 8,
-           trig: bool | None = None, kw: int | None = None) -> torch.Tensor:
+           trig: bool | None = None, kw: int | None = None, rt: int = 1) -> torch.Tensor:
     """x2 [M, K] contiguous bf16 or fp16 (M <= :func:`max_m`) -> [M, N] of x2's dtype. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH` (8 warps per CTA), or
@@ -690,7 +751,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     :func:`ws_launch`; x rearranged first by its ``x_prep`` kernel). ``trig``: with PDL, let the next
     kernel launch from this one's start (default: :func:`trig_default`). ``kw``: mma.sync build, warps
     sharing each 16-row tile (default 1; for tiled weights with the launch left to it,
-    :func:`default_launch` decides)."""
+    :func:`default_launch` decides). ``rt``: mma.sync build, 16-row tiles per warp (or per ``kw`` warps)."""
     packed = spec.tiled
     if pdl is None:
         pdl = _pdl_default(x2.device)
@@ -720,11 +781,13 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     elif m > MAX_M:
         raise ValueError(f"wo_mma: the mma.sync build takes M <= {MAX_M}, have M = {m}")
     # the mma.sync launch left to wo_mma on tiled weights
-    auto = kw is None and packed and not wgmma and not (warps or stages or warps_per_sm or split)
+    auto = kw is None and rt == 1 and packed and not wgmma and not (warps or stages or warps_per_sm or split)
     kw, warps = kw or 1, warps or MMA_WARPS
     if kw > 1 and (wgmma or warps % kw):
         raise ValueError(f"wo_mma: kw={kw} (warps sharing a tile) takes the mma.sync build with warps a multiple "
                          f"of it, have wgmma={wgmma}, warps={warps}")
+    if rt > 1 and wgmma:
+        raise ValueError(f"wo_mma: rt={rt} (tiles per warp) takes the mma.sync build, have wgmma=True")
     xstages = xstages or 4
     d_stages, d_wps = LAUNCH[packed]
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
@@ -735,7 +798,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
     base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
                      zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, pdl=pdl,
-                     wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg, trig=trig, kw=kw, xf16=xf16)
+                     wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg, trig=trig, kw=kw, rt=rt, xf16=xf16)
     plan_args = (m, n, k, x2.device, split, warps_per_sm, smem_budget, max_cluster)
     cfg, kern, cols, nsplit, cps, smem = (default_launch(base, *plan_args) if auto else launch_plan(base, *plan_args))
     gran = spec.scale.granularity

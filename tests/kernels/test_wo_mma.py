@@ -69,6 +69,24 @@ def test_plan_covers_k_and_fits_shared_memory(m, n, k, bits):
     assert wo_mma.x_bytes(m, cps, bits) <= wo_mma.SMEM_BUDGET
 
 
+def test_two_tile_candidates():
+    """rt_candidates: one 16-warp CTA per SM with two tiles per warp; every (warps per tile, split) whose
+    CTAs fit one wave, whose x slice fits RT_SMEM and whose warps stream >= 2 chunks; most CTAs first,
+    then fewer splits."""
+    c = wo_mma.rt_candidates(16, 8192, 8192, 4, 132)
+    assert c[:3] == [(128, 4, 2), (128, 2, 4), (128, 1, 8)]  # kw 8 without a split: x 278 KB
+    assert wo_mma.x_bytes(16, 64, 4) > wo_mma.RT_SMEM >= wo_mma.x_bytes(16, 32, 4)
+    assert wo_mma.rt_candidates(9, 8192, 8192, 4, 132)[0] == (128, 8, 1)
+    assert wo_mma.rt_candidates(16, 28672, 8192, 4, 132) == [(112, 1, 2)]
+    assert wo_mma.rt_candidates(16, 57344, 8192, 4, 132) == []
+    for m, n, k, bits in ((16, 8192, 8192, 4), (12, 4096, 14336, 8), (9, 11008, 4096, 4)):
+        nch = k // wo_mma.KPC[bits]
+        for ctas, kw, split in wo_mma.rt_candidates(m, n, k, bits, 132):
+            cps = -(-nch // split)
+            assert ctas == -(-(n // 16) // (16 // kw * 2)) * split <= 132 and -(-nch // cps) == split
+            assert wo_mma.x_bytes(m, cps, bits) <= wo_mma.RT_SMEM and cps >= 2 * kw
+
+
 def test_tile_sharing_plan():
     """KW warps per 16-row tile: the CTA's columns and split count tiles, not warps; mma_launch takes
     the most warps per tile the SMs' warp slots give every tile, while the split stays <= 2, the CTAs
@@ -95,14 +113,20 @@ def test_tile_sharing_plan():
     assert wo_mma.mma_launch(1, 5120, 5120, 4, (9, 0), 132) == (16, 8, 1)
     assert wo_mma.mma_launch(1, 11008, 4096, 4, (9, 0), 132) == (8, 1, None)
     assert {wo_mma.mma_launch(1, 8192, 8192, 4, cap, 132) for cap in ((8, 0), (10, 0), (12, 0))} == {(8, 1, None)}
-    for m, n, k, bits, warps, kw in ((1, 8192, 8192, 4, 16, 8), (3, 4112, 4224, 4, 8, 4), (2, 4096, 14336, 8, 16, 16)):
-        cols, split, cps = wo_mma.plan(m, n, k, bits, warps, 2, 132, warps_per_sm=32, kw=kw)
-        assert cols * (warps // kw) * 16 >= n > (cols - 1) * (warps // kw) * 16
+    for m, n, k, bits, warps, kw, rt in ((1, 8192, 8192, 4, 16, 8, 1), (3, 4112, 4224, 4, 8, 4, 1),
+                                         (2, 4096, 14336, 8, 16, 16, 1), (16, 4112, 4224, 4, 16, 2, 2),
+                                         (16, 8192, 8192, 4, 16, 1, 2)):
+        cols, split, cps = wo_mma.plan(m, n, k, bits, warps, 2, 132, warps_per_sm=32, kw=kw, rt=rt)
+        rows = warps // kw * rt * 16  # per CTA
+        assert cols * rows >= n > (cols - 1) * rows
         assert (split - 1) * cps < k // wo_mma.KPC[bits] <= split * cps
     # the partial sums of the other warps of each tile reuse x's shared memory
     cfg = wo_mma.MmaConfig(0, 0, 1, 128, False, "int", False, False, 2, warps=16, packed=True, kw=8)
     assert wo_mma._smem(1, 1, cfg) == (16 - 2) * 2 * 512
     assert wo_mma._smem(16, 64, replace(cfg, cluster=2)) == wo_mma.x_bytes(16, 64, 4)
+    # two tiles per warp: twice the partials, and a cluster's [M][tile rows] over 32 tiles
+    assert wo_mma._smem(1, 1, replace(cfg, rt=2)) == (16 - 2) * 2 * 2 * 512
+    assert wo_mma._smem(16, 4, replace(cfg, kw=1, rt=2, cluster=8)) == 16 * 32 * 16 * 4 > wo_mma.x_bytes(16, 4, 4)
 
 
 @pytest.mark.parametrize("n,w", [(16, 16), (48, 64), (4096, 512)])
@@ -143,13 +167,14 @@ def test_wgmma_selection_and_shared_memory():
     assert not any(wo_mma.wgmma_default(m, cap) for m in (25, 32, 64) for cap in ((8, 0), (10, 0), (12, 0)))
     assert {name: wo_mma.max_m(SPECS[name], (9, 0)) for name in ("int4_g128", "int8_channel_packed", "nvfp4")} \
         == {"int4_g128": 96, "int8_channel_packed": 128, "nvfp4": 128}
-    # tiled weights: the warp-specialized build from M = 12 (4-bit) / 57 (int8) / 49 (fp8), int4 up to 128
+    # tiled weights: the warp-specialized build from M = 12 (4-bit) / 57 (int8) / 49 (fp8), int4 up to 128,
+    # but not at M = 9..16 where two tiles per warp have a launch (rt_default)
     tiled = {name: replace(SPECS[name], tiled=True) for name in MMA_NAMES}
     assert wo_mma.max_m(tiled["int4_g128"], (9, 0)) == 128
     def ws(name, m, cap=(9, 0), n=8192, k=8192):
         return wo_mma.ws_default(tiled[name], m, n, k, cap, 132)
 
-    assert [m for m in range(1, 130) if ws("nvfp4", m)] == list(range(12, 129))
+    assert [m for m in range(1, 130) if ws("nvfp4", m)] == list(range(17, 129))
     assert [m for m in range(1, 130) if ws("mxfp8", m)] == list(range(49, 129))
     assert [m for m in range(1, 130) if ws("int8_channel_packed", m)] == list(range(57, 129))
     assert {name for name in MMA_NAMES if ws(name, 32)} == {name for name in MMA_NAMES if SPECS[name].dtype.bits == 4}
@@ -157,16 +182,22 @@ def test_wgmma_selection_and_shared_memory():
     assert not any(ws("int4_g128", 64, cap) for cap in ((8, 0), (10, 0), (12, 0)))
     # below M = 12, wide 4-bit weights (one 16-warp column per SM) whose mma.sync x slice (M rows of the
     # CTA's K range) would leave fewer than 4 of its CTAs on an SM: N = 28672, K = 8192 from M = 7
-    # (M = 8: 70 KB; M = 6: 52 KB)
-    assert [m for m in range(1, 12) if ws("int4_g128", m, n=28672)] == [7, 8, 9, 10, 11]
+    # (M = 8: 70 KB; M = 6: 52 KB), up to M = 8 (then two tiles per warp)
+    assert [m for m in range(1, 12) if ws("int4_g128", m, n=28672)] == [7, 8]
     assert wo_mma.x_bytes(6, 32, 4) < wo_mma.SM90_SMEM_PER_SM // 4 < wo_mma.x_bytes(7, 32, 4)
     assert [m for m in range(1, 9) if ws("nvfp4", m, n=57344)] == [4, 5, 7, 8]  # M = 6: split 2, 52 KB
     assert not any(ws(name, m, n=n, k=k) for name in ("int4_g128", "nvfp4") for m in range(1, 12)
                    for n, k in ((8192, 8192), (28672, 4096), (4096, 14336), (14336, 4096), (8192, 28672)))
     # 8-bit weights the same way below the lock-step build's M = 25: N = 28672 from M = 8 (65 KB), N = 57344
-    # at M = 4, 5 (split 1) and from 8; M = 25..56 (int8) stays on the lock-step build
-    assert [m for m in range(1, 57) if ws("int8_channel_packed", m, n=28672)] == list(range(8, 25))
-    assert [m for m in range(1, 49) if ws("mxfp8", m, n=57344)] == [4, 5] + list(range(8, 25))
+    # at M = 4, 5 (split 1) and from 8; M = 25..56 (int8) stays on the lock-step build. Two tiles per warp
+    # take M = 9..16, at N = 57344 only up to M = 12 (from 13 the x slice of an unsplit K is over RT_SMEM)
+    assert [m for m in range(1, 57) if ws("int8_channel_packed", m, n=28672)] == [8] + list(range(17, 25))
+    assert [m for m in range(1, 49) if ws("mxfp8", m, n=57344)] == [4, 5, 8] + list(range(13, 25))
+    rt = wo_mma.rt_default
+    assert [m for m in range(1, 40) if rt(tiled["int4_g128"], m, 8192, 8192, (9, 0), 132)] == list(range(9, 17))
+    assert not any(rt(spec, 16, 8192, 8192, cap, 132) for spec, cap in ((SPECS["int4_g128"], (9, 0)),
+                                                                        (tiled["int4_g128"], (8, 0)),
+                                                                        (tiled["int4_g128"], (10, 0))))
     assert not any(ws("int8_channel_packed", m) for m in range(1, 57))
     # early launch_dependents: the mma.sync build on tiled weights; the warp-specialized one but at M > 16
     # with K > 8192; not the lock-step wgmma build, nor canonical words
@@ -372,12 +403,14 @@ def test_gpu_mma_forced_splits_and_determinism(name):
 @pytest.mark.parametrize("n,k", ((4096, 4096), (4112, 4224)), ids=str)
 @pytest.mark.parametrize("name", MMA_NAMES)
 def test_gpu_mma_tile_sharing(name, n, k):
-    """KW warps per tile, their K parts summed in shared memory: every format, tiled and canonical
-    words, with no split, splits reduced in a cluster and through global memory, parts of unequal or
-    no chunks (4224 = 33 chunks of 128), idle warps past N (4112); deterministic."""
+    """KW warps per tile, their K parts summed in shared memory, and RT tiles per warp (one x fragment
+    load for RT tiles' MMAs): every format, tiled and canonical words, with no split, splits reduced in a
+    cluster and through global memory, parts of unequal or no chunks (4224 = 33 chunks of 128), idle
+    warps past N (4112) and a warp whose second tile is past N (4112 = 257 tiles); deterministic."""
     launches = (dict(kw=2), dict(kw=4, split=2), dict(kw=8, warps=16), dict(kw=16, warps=16),
                 dict(kw=4, split=3, max_cluster=1), dict(kw=8, warps=8, split=2, max_cluster=1),
-                dict(kw=4, warps=16))
+                dict(kw=4, warps=16), dict(rt=2), dict(rt=2, warps=16, split=8), dict(rt=2, kw=2, warps=16, split=4),
+                dict(rt=2, split=3, max_cluster=1), dict(rt=2, kw=4, warps=4))
     for i, m in enumerate((1, 3, 8, 16, 32)):
         case = _wo_mma_case(name, m, n, k, torch.bfloat16, 20 + i)
         for j, launch in enumerate(launches):
@@ -396,7 +429,7 @@ def test_gpu_mma_fp16_matches_reference(name, n, k):
     sm_90 the warp-specialized build from M = 12), against the fp32 reference at the bf16 tolerance;
     deterministic."""
     launches = (dict(), dict(kw=8, warps=16), dict(kw=4, split=2), dict(split=3, max_cluster=1), dict(split=5))
-    for i, m in enumerate((1, 3, 8, 17, 32, 64, 100)):
+    for i, m in enumerate((1, 3, 8, 12, 17, 32, 64, 100)):
         case = _wo_mma_case(name, m, n, k, torch.float16, 40 + i)
         out = torch.ops.qcompile.wo_linear(*op_args(case, "mma"))
         assert out.dtype == torch.float16
@@ -418,20 +451,25 @@ def test_gpu_mma_default_launch_policy(monkeypatch):
     split reduced through global memory (4096^2 M = 1: split 16), or in a cluster from M = 5
     (14336x4096 M = 8); not where the x slices would not fit (4096^2 M = 8), nor below M = 5 in a
     cluster (14336x4096 M = 1). Shared-tile launches and cluster plans are compiled for the CTAs per SM
-    they plan (minb), plans reduced through global memory are not; every launch matches the reference."""
+    they plan (minb), plans reduced through global memory are not. At M = 9..16 two tiles per warp, one
+    16-warp CTA per SM: 4096^2 M = 16 without a split (16 warps per tile), 8192^2 M = 12 with 4 per tile
+    and a split of 2 in a cluster. Every launch matches the reference."""
     spec = replace(SPECS["int4_g128"], tiled=True)
     launched = []
     default = wo_mma.default_launch
     monkeypatch.setattr(wo_mma, "default_launch", lambda *a: launched.append(default(*a)) or launched[-1])
     chosen = {}
-    for m, n, k in ((1, 4096, 4096), (8, 4096, 4096), (1, 14336, 4096), (8, 14336, 4096)):
+    for m, n, k in ((1, 4096, 4096), (8, 4096, 4096), (1, 14336, 4096), (8, 14336, 4096), (16, 4096, 4096),
+                    (12, 8192, 8192)):
         case = _gpu_case("int4_g128", m, n, k, torch.bfloat16, seed=3)
         out = wo_mma.wo_mma(case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"], None, None,
                             case["bias"], spec)
         _check(out, case, k, f"M={m} {n}x{k}")
         cfg, split = launched[-1][0], launched[-1][3]
         chosen[(m, n)] = (cfg.kw, cfg.warps, split, cfg.cluster, cfg.minb)
+        assert cfg.rt == (2 if m > 8 else 1)
     assert chosen[(1, 4096)] == (16, 16, 1, 1, 2)
+    assert chosen[(16, 4096)] == (16, 16, 1, 1, 1) and chosen[(12, 8192)] == (4, 16, 2, 2, 1)
     kw, _, split, cluster, minb = chosen[(8, 4096)]
     assert kw == 1 and split > 1 and cluster == 1 and minb == 1
     kw, warps, _, cluster, minb = chosen[(1, 14336)]
