@@ -491,6 +491,7 @@ def _kernel(cfg: MmaConfig, device: torch.device, name: str = "wo_mma"):
 # -- launch ----------------------------------------------------------------------------------------
 
 _COUNTERS: dict[tuple[int, int], tuple[ctypes.c_void_p, int]] = {}  # (device, stream) -> (pointer, ints)
+_SPARE: dict[int, tuple[ctypes.c_void_p, int]] = {}  # device -> a zeroed buffer for the next capture stream
 _SMS: dict[int, int] = {}
 
 
@@ -500,20 +501,36 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | ctypes.c_void_p:
     One buffer per (device, stream): launches on two streams may run at the same time and must not
     count each other's CTAs. Cached buffers come from cuMemAlloc, outside PyTorch's caching
     allocator: while torch.compile's cudagraph trees warm up, every allocation of the thread goes to
-    the graphs' memory pool, which must not keep a tensor that outlives its graphs. While a graph is
-    being captured a new buffer would be zeroed only when the graph replays, so the call gets its own
-    tensor (its zeroing is captured with it). Graphs captured on one stream and replayed at the same
-    time on two streams still share their buffer (docs/kernels-wo.md, v8)."""
-    from torch.cuda._utils import _get_gpu_runtime_library
-
+    the graphs' memory pool, which must not keep a tensor that outlives its graphs. No buffer can be
+    allocated and zeroed while a stream is captured, so each allocation outside a capture sets a spare
+    one aside, which the first capture on a stream without a buffer takes (graphs are usually captured
+    on a stream that never runs eagerly). Without it the call gets its own zeroed tensor, and the graph
+    replays that memset before every launch: 2-3.5 us per call on the H100 (a memset node, and the
+    programmatic dependent launch of the next kernel lost; docs/kernels-wo.md, v16). Graphs captured on
+    one stream and replayed at the same time on two streams still share their buffer (v8)."""
     idx = _index(device)
     key = (idx, torch.cuda.current_stream(device).cuda_stream)
     have = _COUNTERS.get(key)
     if have is not None and have[1] >= n:
         return have[0]
     if torch.cuda.is_current_stream_capturing():
+        spare = _SPARE.get(idx)
+        if have is None and spare is not None and spare[1] >= n:
+            _COUNTERS[key] = _SPARE.pop(idx)
+            return spare[0]
         return torch.zeros(n, dtype=torch.int32, device=device)
     size = max(n, 16384)
+    _COUNTERS[key] = _zeroed(idx, size, have)
+    spare = _SPARE.get(idx)
+    if spare is None or spare[1] < size:
+        _SPARE[idx] = _zeroed(idx, size, spare)
+    return _COUNTERS[key][0]
+
+
+def _zeroed(idx: int, size: int, old: tuple[ctypes.c_void_p, int] | None) -> tuple[ctypes.c_void_p, int]:
+    """A zeroed cuMemAlloc buffer of ``size`` int32 on device ``idx``, in place of ``old`` (freed)."""
+    from torch.cuda._utils import _get_gpu_runtime_library
+
     lib, ptr = _get_gpu_runtime_library(), ctypes.c_void_p()
 
     def check(code: int, what: str) -> None:
@@ -524,10 +541,9 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | ctypes.c_void_p:
         check(lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(4 * size)), "cuMemAlloc")
         check(lib.cuMemsetD32_v2(ptr, ctypes.c_uint(0), ctypes.c_size_t(size)), "cuMemsetD32")
         check(lib.cuCtxSynchronize(), "cuCtxSynchronize")  # the zeros, and a replaced buffer's last launch
-        if have is not None:
-            check(lib.cuMemFree_v2(have[0]), "cuMemFree")
-    _COUNTERS[key] = (ptr, size)
-    return ptr
+        if old is not None:
+            check(lib.cuMemFree_v2(old[0]), "cuMemFree")
+    return ptr, size
 
 
 def _sm_count(device: torch.device) -> int:

@@ -559,6 +559,35 @@ def test_gpu_mma_global_split_on_two_streams():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_mma_capture_takes_spare_counters(monkeypatch):
+    """A graph captured on a stream without split-K counters takes the zeroed spare buffer that an eager
+    call set aside (no zeroing captured before each launch); its replays match eager bit for bit."""
+    monkeypatch.setattr(wo_mma, "_COUNTERS", {})
+    monkeypatch.setattr(wo_mma, "_SPARE", {})
+    case = _gpu_case("int4_g128", 8, 4096, 4096, torch.bfloat16, seed=7)
+    spec = wg.parse_scheme_key(case["scheme"]).weight
+
+    def call():
+        return wo_mma.wo_mma(case["x"], case["weight"], case["weight_scale"], None, None, case["bias"], spec,
+                             split=8, max_cluster=1)
+
+    want = call()
+    idx = torch.cuda.current_device()
+    assert idx in wo_mma._SPARE
+    s = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        got = call()
+    assert (idx, s.cuda_stream) in wo_mma._COUNTERS and idx not in wo_mma._SPARE
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    _check(want, case, 4096, "eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_mma_cuda_graph():
     case = _gpu_case("nvfp4", 4, 4096, 4096, torch.bfloat16, seed=5)
     fn = lambda: torch.ops.qcompile.wo_linear(*op_args(case, "mma"))  # noqa: E731
