@@ -7,10 +7,11 @@ tiled one (quant_math.tile_words), x in shared memory, split-K reduced inside a 
 On sm_90 it is launched with programmatic dependent launch (cuLaunchKernelEx): its first weight
 loads overlap the previous kernel's tail, and where that measured faster it lets the next kernel
 launch from its own start (:func:`trig_default`; ``QCOMPILE_PDL=0`` turns PDL off). On sm_90, tiled
-weights from M = 12 (4-bit; smaller M for wide ones, :func:`ws_default`) / 57 (int8) / 49 (fp8) up to 128 run
-its warp-specialized wgmma build (producer warps, mbarrier rings); other M = 25..128 (25..96 for int4 weights not tiled,
-:func:`max_m`) its lock-step wgmma build (:func:`wgmma_default`); elsewhere the mma.sync build runs
-M <= 32.
+weights at M = 9..16 (wide ones from M = 6) run the mma.sync build with two 16-row tiles per warp
+(:func:`rt_default`); from M = 17 (4-bit; 12 where that has no launch) / 57 (int8) / 49 (fp8) up to 128
+its warp-specialized wgmma build (producer warps, mbarrier rings, :func:`ws_default`); other M = 25..128
+(25..96 for int4 weights not tiled, :func:`max_m`) its lock-step wgmma build (:func:`wgmma_default`);
+elsewhere the mma.sync build runs M <= 32.
 
 It is compiled at first use for the running GPU with NVRTC, the runtime compiler that ships with
 PyTorch's CUDA build (no CUDA toolkit, no C++ compiler, no ninja needed), one specialization per
@@ -94,8 +95,11 @@ def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
     with two tiles per warp runs (:func:`rt_default`)."""
     if capability[0] != 9 or not spec.tiled or m > WGMMA_MAX_M or rt_default(spec, m, n, k, capability, sms):
         return False
-    if m >= WS_MIN_M[spec.dtype]:
-        return True
+    return m >= WS_MIN_M[spec.dtype] or _ws_wide(spec, m, n, k, sms)
+
+
+def _ws_wide(spec: WeightSpec, m: int, n: int, k: int, sms: int) -> bool:
+    """Wide weights below WS_MIN_M whose mma.sync x slice would crowd out the warp-specialized build."""
     if m >= WGMMA_MIN_M or ws_launch(m, n, sms) != (16, 1):  # (8-bit M = 25..56: the lock-step build)
         return False
     bits = spec.dtype.bits
@@ -183,6 +187,13 @@ def mma_launch(m: int, n: int, k: int, bits: int, capability: tuple[int, int],
 # (+0.7-1.1), 8192^2 int8 M = 9, 12 (+0.5-1.0), 14336x4096 int4 M = 12, 16 (+0.2, +0.6).
 RT_SMEM = 200 * 1024
 RT_MT = 2  # token tiles of the two-tile launch (from 3, 128 registers do not hold it)
+# At one token tile, wide weights (one 16-warp column per SM, ws_launch) take it where the warp-specialized
+# build would (_ws_wide) and from this M. H100, same call (v16), us, default -> rt: 28672x8192 int4 M = 7, 8
+# 57.2, 58.4 -> 47.1, 47.2 (warp-specialized before), M = 6 51.9 -> 46.5; NVFP4 M = 6 61.2 -> 55.5; MXFP8
+# M = 6 95.1 -> 89.1, M = 8 102.1 -> 91.3; 57344x8192 int4 M = 4..8 99.4-116 -> 89-90, MXFP8 M = 6 199.6 ->
+# 174.7; int8 M = 6 within 1.2 either way. Below M = 6 8-bit weights lost 1-3 us (28672x4096 MXFP8 M = 1..4
+# 42.6-43.6 -> 44.7-45.5) and 4-bit ones won or lost up to 2 us by candidate, so they keep their launch.
+RT_WIDE_MIN_M = 6
 
 
 def rt_candidates(m: int, n: int, k: int, bits: int, sms: int) -> list[tuple[int, int, int]]:
@@ -205,9 +216,14 @@ def rt_candidates(m: int, n: int, k: int, bits: int, sms: int) -> list[tuple[int
 @functools.lru_cache(maxsize=None)  # per call shape
 def rt_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, int], sms: int) -> bool:
     """Whether the default launch tries two tiles per warp (:func:`rt_launch`): tiled weights on sm_90 at
-    RT_MT token tiles with some candidate launch."""
-    return (capability[0] == 9 and spec.tiled and -(-m // 8) == RT_MT
-            and bool(rt_candidates(m, n, k, spec.dtype.bits, sms)))
+    RT_MT token tiles, or fewer where the warp-specialized build would take wide weights, with some
+    candidate launch."""
+    if capability[0] != 9 or not spec.tiled or -(-m // 8) > RT_MT:
+        return False
+    if -(-m // 8) < RT_MT and not (_ws_wide(spec, m, n, k, sms)
+                                    or (m >= RT_WIDE_MIN_M and ws_launch(m, n, sms) == (16, 1))):
+        return False
+    return bool(rt_candidates(m, n, k, spec.dtype.bits, sms))
 
 
 def rt_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, max_cluster: int) -> tuple | None:
@@ -253,28 +269,28 @@ def max_m(spec: WeightSpec, capability: tuple[int, int]) -> int:
 
 
 def default_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, split: int | None,
-                   warps_per_sm: int, smem_budget: int, max_cluster: int) -> tuple:
+                   warps_per_sm: int, smem_budget: int, max_cluster: int, rt: bool = False) -> tuple:
     """:func:`launch_plan` of the mma.sync build on tiled weights with the launch left to ``wo_mma``
-    (``base``: :data:`MMA_WARPS` warps, kw = 1), and the policy on top of it on sm_90: at :data:`RT_MT`
-    token tiles two tiles per warp (:func:`rt_launch`) where a candidate's clusters fit; otherwise warps
+    (``base``: :data:`MMA_WARPS` warps, kw = 1), and the policy on top of it on sm_90: with ``rt``
+    (:func:`rt_default`) two tiles per warp (:func:`rt_launch`) where a candidate's clusters fit; otherwise warps
     sharing tiles (:func:`mma_launch`) in place of a split reduced through global memory, or from
     :data:`KW_CLUSTER_MIN_M` in a cluster; the shared-tile launches and the remaining cluster plans
     compiled for the CTAs per SM they plan (:data:`REG_CAP_MAX_MT`). Cached per call shape: decided
     once, one lookup on later calls."""
     plan_args = (m, n, k, device, split, warps_per_sm, smem_budget, max_cluster)
-    key = (base, m, n, k, _index(device), split, warps_per_sm, smem_budget, max_cluster)
+    key = (base, m, n, k, _index(device), split, warps_per_sm, smem_budget, max_cluster, rt)
     if key not in _DEFAULTS:
-        _DEFAULTS[key] = _default_launch(base, plan_args)
+        _DEFAULTS[key] = _default_launch(base, plan_args, rt)
     return _DEFAULTS[key]
 
 
 _DEFAULTS: dict[tuple, tuple] = {}
 
 
-def _default_launch(base: MmaConfig, plan_args: tuple) -> tuple:
+def _default_launch(base: MmaConfig, plan_args: tuple, rt: bool) -> tuple:
     m, n, k, device, split, warps_per_sm, smem_budget, max_cluster = plan_args
     cap = _capability(_index(device))
-    if split is None and cap[0] == 9 and base.mt == RT_MT:
+    if rt and split is None:
         chosen = rt_launch(base, m, n, k, device, max_cluster)
         if chosen is not None:
             return chosen
@@ -816,7 +832,10 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
                      zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, pdl=pdl,
                      wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg, trig=trig, kw=kw, rt=rt, xf16=xf16)
     plan_args = (m, n, k, x2.device, split, warps_per_sm, smem_budget, max_cluster)
-    cfg, kern, cols, nsplit, cps, smem = (default_launch(base, *plan_args) if auto else launch_plan(base, *plan_args))
+    if auto:
+        cfg, kern, cols, nsplit, cps, smem = default_launch(base, *plan_args, rt=rt_default(spec, m, n, k, cap, sms))
+    else:
+        cfg, kern, cols, nsplit, cps, smem = launch_plan(base, *plan_args)
     gran = spec.scale.granularity
     s = scale.contiguous()
     if s.dtype != torch.float32:

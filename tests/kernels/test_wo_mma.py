@@ -180,19 +180,25 @@ def test_wgmma_selection_and_shared_memory():
     assert {name for name in MMA_NAMES if ws(name, 32)} == {name for name in MMA_NAMES if SPECS[name].dtype.bits == 4}
     assert not any(wo_mma.ws_default(SPECS[name], 64, 8192, 8192, (9, 0), 132) for name in MMA_NAMES)  # not tiled
     assert not any(ws("int4_g128", 64, cap) for cap in ((8, 0), (10, 0), (12, 0)))
-    # below M = 12, wide 4-bit weights (one 16-warp column per SM) whose mma.sync x slice (M rows of the
-    # CTA's K range) would leave fewer than 4 of its CTAs on an SM: N = 28672, K = 8192 from M = 7
-    # (M = 8: 70 KB; M = 6: 52 KB), up to M = 8 (then two tiles per warp)
-    assert [m for m in range(1, 12) if ws("int4_g128", m, n=28672)] == [7, 8]
+    # below M = 12, wide weights (one 16-warp column per SM) whose mma.sync x slice (M rows of the CTA's K
+    # range) would leave fewer than 4 of its CTAs on an SM (N = 28672, K = 8192 from M = 7: 70 KB at M = 8,
+    # 52 KB at M = 6) would take it (_ws_wide), but two tiles per warp run them when they have a launch,
+    # and every wide weight from M = 6
+    assert [m for m in range(1, 12) if wo_mma._ws_wide(tiled["int4_g128"], m, 28672, 8192, 132)] == [7, 8, 9, 10, 11]
     assert wo_mma.x_bytes(6, 32, 4) < wo_mma.SM90_SMEM_PER_SM // 4 < wo_mma.x_bytes(7, 32, 4)
-    assert [m for m in range(1, 9) if ws("nvfp4", m, n=57344)] == [4, 5, 7, 8]  # M = 6: split 2, 52 KB
+    assert [m for m in range(1, 9) if wo_mma._ws_wide(tiled["nvfp4"], m, 57344, 8192, 132)] == [4, 5, 7, 8]
+    assert not any(ws(name, m, n=n) for name in MMA_NAMES for m in range(1, 12) for n in (28672, 57344))
+    assert [m for m in range(1, 17) if wo_mma.rt_default(tiled["nvfp4"], m, 57344, 8192, (9, 0), 132)] == \
+        [4, 5, 6, 7, 8, 9, 10, 11]  # from M = 12 the x slice of an unsplit K is over RT_SMEM
+    assert [m for m in range(1, 17) if wo_mma.rt_default(tiled["mxfp8"], m, 28672, 4096, (9, 0), 132)] == \
+        list(range(6, 17))
     assert not any(ws(name, m, n=n, k=k) for name in ("int4_g128", "nvfp4") for m in range(1, 12)
                    for n, k in ((8192, 8192), (28672, 4096), (4096, 14336), (14336, 4096), (8192, 28672)))
-    # 8-bit weights the same way below the lock-step build's M = 25: N = 28672 from M = 8 (65 KB), N = 57344
-    # at M = 4, 5 (split 1) and from 8; M = 25..56 (int8) stays on the lock-step build. Two tiles per warp
-    # take M = 9..16, at N = 57344 only up to M = 12 (from 13 the x slice of an unsplit K is over RT_SMEM)
-    assert [m for m in range(1, 57) if ws("int8_channel_packed", m, n=28672)] == [8] + list(range(17, 25))
-    assert [m for m in range(1, 49) if ws("mxfp8", m, n=57344)] == [4, 5, 8] + list(range(13, 25))
+    # 8-bit weights the same way below the lock-step build's M = 25 (N = 28672 from M = 8, 65 KB; N = 57344
+    # at M = 4, 5 and from 8); M = 25..56 (int8) stays on the lock-step build. Two tiles per warp take M up
+    # to 16 as above, at N = 57344 only up to M = 12 (from 13 the x slice of an unsplit K is over RT_SMEM)
+    assert [m for m in range(1, 57) if ws("int8_channel_packed", m, n=28672)] == list(range(17, 25))
+    assert [m for m in range(1, 49) if ws("mxfp8", m, n=57344)] == list(range(13, 25))
     rt = wo_mma.rt_default
     assert [m for m in range(1, 40) if rt(tiled["int4_g128"], m, 8192, 8192, (9, 0), 132)] == list(range(9, 17))
     assert not any(rt(spec, 16, 8192, 8192, cap, 132) for spec, cap in ((SPECS["int4_g128"], (9, 0)),
@@ -453,21 +459,22 @@ def test_gpu_mma_default_launch_policy(monkeypatch):
     cluster (14336x4096 M = 1). Shared-tile launches and cluster plans are compiled for the CTAs per SM
     they plan (minb), plans reduced through global memory are not. At M = 9..16 two tiles per warp, one
     16-warp CTA per SM: 4096^2 M = 16 without a split (16 warps per tile), 8192^2 M = 12 with 4 per tile
-    and a split of 2 in a cluster. Every launch matches the reference."""
+    and a split of 2 in a cluster; wide weights from M = 6 (28672x4096 M = 8). Every launch matches the
+    reference."""
     spec = replace(SPECS["int4_g128"], tiled=True)
     launched = []
     default = wo_mma.default_launch
-    monkeypatch.setattr(wo_mma, "default_launch", lambda *a: launched.append(default(*a)) or launched[-1])
+    monkeypatch.setattr(wo_mma, "default_launch", lambda *a, **k: launched.append(default(*a, **k)) or launched[-1])
     chosen = {}
     for m, n, k in ((1, 4096, 4096), (8, 4096, 4096), (1, 14336, 4096), (8, 14336, 4096), (16, 4096, 4096),
-                    (12, 8192, 8192)):
+                    (12, 8192, 8192), (8, 28672, 4096)):
         case = _gpu_case("int4_g128", m, n, k, torch.bfloat16, seed=3)
         out = wo_mma.wo_mma(case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"], None, None,
                             case["bias"], spec)
         _check(out, case, k, f"M={m} {n}x{k}")
         cfg, split = launched[-1][0], launched[-1][3]
         chosen[(m, n)] = (cfg.kw, cfg.warps, split, cfg.cluster, cfg.minb)
-        assert cfg.rt == (2 if m > 8 else 1)
+        assert cfg.rt == (2 if m > 8 or n == 28672 else 1)
     assert chosen[(1, 4096)] == (16, 16, 1, 1, 2)
     assert chosen[(16, 4096)] == (16, 16, 1, 1, 1) and chosen[(12, 8192)] == (4, 16, 2, 2, 1)
     kw, _, split, cluster, minb = chosen[(8, 4096)]
