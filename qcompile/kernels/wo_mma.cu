@@ -8,7 +8,8 @@
 // (PACKED: quant_math.tile_words permutes the same words so each warp streams one contiguous run):
 //
 //  * The weight is the MMA's A operand (m16n8k16, rows = output features), x is B (n = 8 tokens,
-//    MT tiles). One warp owns 16 rows. Lane (r = lane / 4, q = lane % 4) loads 16 bytes of row r
+//    MT tiles). One warp owns 16 rows (RT tiles of 16 with RT > 1: each x fragment it reads from shared
+//    memory feeds the MMAs of all RT tiles). Lane (r = lane / 4, q = lane % 4) loads 16 bytes of row r
 //    and 16 of row r + 8 per chunk: 4 words, 32 (4-bit) or 16 (8-bit) consecutive k of each row.
 //  * Inside one mma step the k order is free as long as A and B agree, so each lane uses the k of
 //    its own words: the A fragment is decoded in registers with no shuffles, and x is stored in
@@ -45,7 +46,8 @@
 // ZP_T, HAS_GS, HAS_BIAS, MT (8-token tiles), STAGES (chunks in flight per warp), WARPS, PACKED
 // (tiled words), CLUSTER (splits in one cluster), PDL, TRIG (early launch_dependents), WGMMA, XSTAGES
 // (x chunks in flight, wgmma), MINB (CTAs per SM the registers must allow), WS (the warp-specialized
-// build), NSTG (its weight slots), KW (warps per 16-row tile), XF16 (fp16 x and output).
+// build), NSTG (its weight slots), KW (warps per 16-row tile), RT (16-row tiles per warp), XF16 (fp16 x
+// and output).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
