@@ -56,9 +56,12 @@ def source_name(node: fx.Node) -> str:
     text = text() if callable(text) else text
     if not text:
         return node.name
-    # L['self']._modules['model']._modules['layers']._modules['0']...._parameters['weight']
+    # L['self']._modules['model']._modules['layers']._modules['0']...._parameters['weight'], or with the
+    # module reaching the frame as an argument, L['args'][0]._modules['model']... (transformers 5.24)
     parts = [a or b or c for a, b, c in re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)", text)]
-    parts = [p for p in parts[1:] if p not in ("_modules", "_parameters", "_buffers")]
+    marks = ("_modules", "_parameters", "_buffers")
+    start = next((i for i, p in enumerate(parts) if p in marks), 1)  # past the root (L['self'], L['args'][0])
+    parts = [p for p in parts[start:] if p not in marks]
     return ".".join(parts) or text
 
 

@@ -17,9 +17,14 @@ from qcompile.linear import dequantize_model
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64]])
 
 
+# Dynamo names a parameter after the path from the traced module: l_self_modules_model_modules_layers_modules_0_
+# modules_mlp_modules_up_proj_parameters_weight_, or l_args_0_modules_... where the module reaches the traced
+# frame as its first argument (transformers 5.24's forward wrapper)
+_PARAM = r"\bl_(?:self|args_0)_modules_\w+"
+
+
 def _short_name(m: re.Match) -> str:
-    # l_self_modules_model_modules_layers_modules_0_modules_mlp_modules_up_proj_parameters_weight_
-    name = m.group(0).removeprefix("l_self_modules_").removesuffix("_")
+    name = re.sub(r"^l_(?:self|args_0)_modules_", "", m.group(0)).removesuffix("_")
     return name.replace("_modules_", ".").replace("_parameters_", ".")
 
 
@@ -30,7 +35,7 @@ def _linear_lines(code: str) -> list[str]:
     for line in code.splitlines():
         stmt = line.strip().split(";  ")[0]
         if any(t in stmt for t in ("torch.ops.qcompile", "_C._nn.linear", "self._qcompile")):
-            lines.append(re.sub(r"\bl_self_\w+", _short_name, stmt))
+            lines.append(re.sub(_PARAM, _short_name, stmt))
     return lines
 
 
@@ -286,3 +291,20 @@ def test_nvfp4_w4a4_stays_faithful_off_cuda(one_layer, fmt):
     diff, be = load_and_diff(one_layer, fmt)
     assert diff == "" and {r.kernel for r in be.rows} == {"reference"}
     assert "on cpu the faithful reference is as fast" in be.rows[0].reason
+
+
+def test_source_name_from_either_root():
+    """A parameter's module path from Dynamo's source, whether the module is the traced frame's `self` or
+    reaches it as its first argument (transformers 5.24 wraps `forward` so)."""
+    from types import SimpleNamespace
+
+    from qcompile.passes.linear import module_of, source_name
+
+    def node(text):
+        return SimpleNamespace(name="p", meta={"grapharg": SimpleNamespace(source=SimpleNamespace(name=lambda: text))})
+
+    path = "._modules['model']._modules['layers']._modules['0']._modules['mlp']._modules['up_proj']._parameters['weight']"
+    for root in ("L['self']", "L['args'][0]"):
+        assert source_name(node(root + path)) == "model.layers.0.mlp.up_proj.weight"
+        assert module_of(node(root + path)) == "model.layers.0.mlp.up_proj"
+    assert source_name(SimpleNamespace(name="p", meta={})) == "p"
