@@ -792,9 +792,9 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     n, sms = weight.shape[0], _sm_count(x2.device)
     xf16 = x2.dtype == torch.float16
     if ws is None:  # a caller's wgmma=True / False asks for that build
-        ws = wgmma is None and ws_default(spec, m, n, k, cap, sms)
-    if wgmma is None and not ws:
-        wgmma = wgmma_default(m, cap)
+        ws = wgmma is None and ws_default(spec, m, n, k, cap, sms) and (kw or 1) == 1 and rt == 1
+    if wgmma is None and not ws:  # kw / rt ask for the mma.sync build
+        wgmma = wgmma_default(m, cap) and (kw or 1) == 1 and rt == 1
     if ws:
         if not packed or cap[0] != 9 or m > WGMMA_MAX_M:
             raise ValueError(f"wo_mma: the warp-specialized build streams tiled weights on an sm_90 GPU, M <= "
