@@ -175,7 +175,6 @@ def mma_launch(m: int, n: int, k: int, bits: int, capability: tuple[int, int],
     return MMA_WARPS, 1, None
 
 
-
 # RT = 2 (two 16-row tiles per warp, one x fragment load for both): 16 warps per CTA, 128 registers, so
 # one CTA per SM; its x slice may then take most of the SM's shared memory. Taken on sm_90 for tiled
 # weights at 2 token tiles (M = 9..16), in place of the warp-specialized build (4-bit from M = 12, wide
@@ -231,10 +230,11 @@ def rt_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, max
     split in a cluster (its clusters all fit on the GPU); None if none does."""
     for _, kw, split in rt_candidates(m, n, k, base.bits, _sm_count(device)):
         cfg = replace(base, warps=16, kw=kw, rt=2, minb=1)
-        chosen = launch_plan(cfg, m, n, k, device, split, 16, RT_SMEM, max_cluster)
-        if split == 1 or chosen[0].cluster > 1:
+        chosen = launch_plan(cfg, m, n, k, device, split, 16, RT_SMEM, max_cluster, cluster_only=True)
+        if chosen is not None and (split == 1 or chosen[0].cluster > 1):
             return chosen
     return None
+
 
 def trig_default(tiled: bool, wgmma: bool, ws: bool, m: int, k: int) -> bool:
     """Early launch_dependents (TRIG): the next call's CTAs take the SMs this call's first finishers
@@ -359,7 +359,6 @@ class MmaConfig:
     def tiles(self) -> int:
         """16-row tiles per CTA."""
         return self.warps // self.kw * self.rt
-
 
     def defines(self) -> str:
         d = dict(FMT=self.fmt, SK=self.sk, SMODE=self.smode, GROUP=max(self.group, 1), HAS_ZP=int(self.has_zp),
@@ -709,14 +708,15 @@ def _blocks_per_sm(kern, cfg: MmaConfig, smem: int) -> int:
 
 
 def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, split: int | None,
-                warps_per_sm: int, smem_budget: int, max_cluster: int) -> tuple:
+                warps_per_sm: int, smem_budget: int, max_cluster: int, cluster_only: bool = False) -> tuple | None:
     """(config, kernel, CTA columns, split, chunks per split, shared memory) for one call shape.
 
     M < :data:`CLUSTER_SHRINK_MIN_M`: the split is capped so that every CTA runs in one wave,
     and that split is reduced in a thread-block cluster (sm_90+) when all of its clusters fit on the
     GPU at once, else through global memory (cheap at this M: a few partials per output).
     Larger M: the split is shrunk until its clusters fit (x still within ``smem_budget``), as the
-    global reduction's tail grows with M. A forced ``split`` is kept either way."""
+    global reduction's tail grows with M. A forced ``split`` is kept either way. ``cluster_only``: None
+    (and no kernel compiled for it) where the plan would reduce through global memory."""
     idx = _index(device)
     key = (base, m, n, k, idx, split, warps_per_sm, smem_budget, max_cluster)
     if key in _PLANS:
@@ -759,6 +759,8 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
                 break
             s -= 1
     if chosen is None:
+        if cluster_only and nsplit > 1:
+            return None
         smem = _smem(m, cps, glob)
         chosen = (glob, _prepare(_kernel(glob, device), smem), cols, nsplit, cps, smem)
     _PLANS[key] = chosen
