@@ -92,6 +92,15 @@ typedef unsigned short u16;
 #if RT > 1 && (WGMMA || WS)
 #error "RT > 1: the mma.sync build"
 #endif
+// XS (sm_90): the mma.sync build streams x through a ring of XSTAGES chunks per K part (bulk copies,
+// mbarriers) instead of staging the CTA's whole x slice before the first MMA; its shared memory then no
+// longer grows with the K range, so a CTA may take all of K at M = 9..16.
+#ifndef XS
+#define XS 0
+#endif
+#if XS && (WGMMA || WS)
+#error "XS: the mma.sync build"
+#endif
 #define BITS ((FMT == FMT_INT4 || FMT == FMT_E2M1) ? 4 : 8)
 #define KPC (BITS == 4 ? 128 : 64)  // k per chunk (per row)
 #define KPL (KPC / 4)               // k per lane per chunk
@@ -276,10 +285,12 @@ __device__ __forceinline__ u32 decode(u32 w, u32 zz, u32 sc, float zf, float sf)
 #endif
 }
 
-#if WGMMA
+#if WGMMA || XS
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
+#endif
+#if WGMMA
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -335,14 +346,7 @@ __device__ __forceinline__ void wg_fence_acc(float (&acc)[MT][4]) {
 }
 #endif
 
-#if WS
-// Warp-specialized wgmma build: two producer warps fill two rings in shared memory with bulk copies
-// (cp.async.bulk, completion counted in bytes on the slot's `full` mbarrier): NSTG slots of weights,
-// each one chunk of every consumer warp's 16 tiled rows (WSTAGE), and XSTAGES slots of x, each one
-// chunk already in the B layout (x_prep). Consumer warps wait only on their slots' `full` barriers
-// and release them (`empty`, every consumer thread arrives): a weight slot as soon as its words are
-// in registers, an x slot once the wgmmas that read it are done. No CTA barrier in the main loop.
-#define WSTAGE (WARPS * 1024)  // one chunk of 16 rows (2 x 32 lanes x 16 bytes) per warp
+#if WS || XS
 __device__ __forceinline__ void mbar_init(u32 a, int n) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(n) : "memory");
 }
@@ -364,6 +368,43 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
 }
+#endif
+#if XS
+// The ring: slot `sl` of K part kp at (kp * XSTAGES + sl) * M rows of XRS bytes (one chunk, padded as the
+// staged slice: conflict-free). Its mbarriers (full: bytes landed; empty: every active tile group of the
+// part has its x in registers) follow the ring and the regions that reuse its memory after the main loop
+// (the KW partials, the cluster's partials), so they stay valid to the end.
+#define XRS (((X_CS / 16) + (X_ROW_MOD - (X_CS / 16) % 8 + 8) % 8) * 16)
+__device__ __forceinline__ int xs_bar_offset(int M) {
+  int o = KW * XSTAGES * M * XRS;
+#if KW > 1
+  o = max(o, (KW - 1) * TPC * MT * 32 * 16);
+#endif
+#if CLUSTER > 1
+  o = max(o, M * TPC * 16 * 4);
+#endif
+  return (o + 15) & ~15;
+}
+// Chunk `ch` of x's M rows into ring slot `slot` by the calling (producer) warp: 16-byte cp.async copies, then
+// each lane's arrive on mbarrier `full` (initialized to 32) fires once its copies have landed.
+__device__ __forceinline__ void x_fill(u32 slot, u32 full, const u16* __restrict__ x, int M, int K, int ch) {
+  constexpr int UPR = KPC / 8;  // 16-byte units per row
+  for (int t = threadIdx.x & 31; t < M * UPR; t += 32) {
+    const int m = t / UPR, wu = t % UPR;
+    cp_async16(slot + m * XRS + X_SEG(wu / UNITS) + (wu % UNITS) * 16, x + (size_t)m * K + (size_t)ch * KPC + wu * 8);
+  }
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
+}
+#endif
+
+#if WS
+// Warp-specialized wgmma build: two producer warps fill two rings in shared memory with bulk copies
+// (cp.async.bulk, completion counted in bytes on the slot's `full` mbarrier): NSTG slots of weights,
+// each one chunk of every consumer warp's 16 tiled rows (WSTAGE), and XSTAGES slots of x, each one
+// chunk already in the B layout (x_prep). Consumer warps wait only on their slots' `full` barriers
+// and release them (`empty`, every consumer thread arrives): a weight slot as soon as its words are
+// in registers, an x slot once the wgmmas that read it are done. No CTA barrier in the main loop.
+#define WSTAGE (WARPS * 1024)  // one chunk of 16 rows (2 x 32 lanes x 16 bytes) per warp
 #endif
 
 // Group index (scale / zero-point column) of lane q's k in chunk ch.
@@ -655,6 +696,20 @@ WO_MMA_KERNEL {
   if (c0 + 1 < c1) kc[1] = chunk_consts(c0 + 1, q, sra, srb, s, zp);
 #endif
 
+#if XS
+  // this part's ring and barriers; its producer is the part's warp of tile group 0, which (if any is) is active
+  const u32 xring = smem_addr(xs) + kp * XSTAGES * M * XRS;
+  const u32 xfull = smem_addr(xs) + xs_bar_offset(M) + kp * XSTAGES * 8, xempty = xfull + KW * XSTAGES * 8;
+  const bool producer = warp < KW && active;
+  const int nsteps = w1 - w0;
+  if (threadIdx.x < KW * XSTAGES) {
+    const int groups = min(WARPS / KW, (N / 16 - (int)blockIdx.x * TPC + RT - 1) / RT);  // active groups
+    mbar_init(smem_addr(xs) + xs_bar_offset(M) + threadIdx.x * 8, 32);
+    mbar_init(smem_addr(xs) + xs_bar_offset(M) + (KW * XSTAGES + threadIdx.x) * 8, max(groups, 1));
+  }
+  __syncthreads();
+#endif
+
 #if PDL && __CUDA_ARCH__ >= 900
 #if TRIG
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -672,6 +727,11 @@ WO_MMA_KERNEL {
   cp_wait<XSTAGES - 1>();
   __syncthreads();
   x_transform(xstage, xbufs, M);
+#elif XS
+  // the first XSTAGES chunks of this part (natural order: 4-bit units are reordered as they are read)
+  if (producer)
+    for (int i = 0; i < XSTAGES && i < nsteps; i++) x_fill(xring + i * M * XRS, xfull + 8 * i, x, M, K, w0 + i);
+  const u32 xlane = xring + X_SEG(q);
 #else
   // x[:, c0*KPC : c1*KPC] -> shared memory, in the order the MMA reads it (see X_SEG / X_ROW_MOD):
   // lane q's 16-byte units of a chunk are contiguous, 4-bit units hold (x0,x4,x1,x5,x2,x6,x3,x7).
@@ -781,16 +841,35 @@ WO_MMA_KERNEL {
           for (int j = 0; j < RT; j++) kc[j] = chunk_consts(ch, q, sra + so[j], srb + so[j], s, zp);
           // x units of this chunk, per token tile (zeros for rows >= M), for all RT tiles
           U4 X[MT][UNITS];
+#if XS
+          const int xi = ch - w0, xsl = xi % XSTAGES;
+          mbar_wait(xfull + 8 * xsl, (xi / XSTAGES) & 1);
+#endif
 #pragma unroll
           for (int t = 0; t < MT; t++) {
             const int tok = t * 8 + r;
+#if XS
+            const u32 a = xlane + xsl * M * XRS + tok * XRS;
+#else
             const u32 a = xlane + tok * rs + (ch - c0) * X_CS;
+#endif
 #pragma unroll
             for (int u = 0; u < UNITS; u++) {
-              if (tok < M) X[t][u] = ld_shared(a + u * 16);
+              if (tok < M) X[t][u] = XS ? x_unit_order(ld_shared(a + u * 16)) : ld_shared(a + u * 16);
               else X[t][u] = U4{{0u, 0u, 0u, 0u}};
             }
           }
+#if XS
+          // x of this chunk is in registers: release its slot; the producer refills the previous chunk's
+          // slot (released by now unless a tile group lags) with the chunk XSTAGES after it
+          __syncwarp();
+          if (lane == 0) mbar_arrive(xempty + 8 * xsl);
+          if (producer && xi >= 1 && xi - 1 + XSTAGES < nsteps) {
+            const int ps = (xi - 1) % XSTAGES;
+            mbar_wait(xempty + 8 * ps, ((xi - 1) / XSTAGES) & 1);
+            x_fill(xring + ps * M * XRS, xfull + 8 * ps, x, M, K, ch - 1 + XSTAGES);
+          }
+#endif
           // step k16's x: 4-bit, pairs (0,4) (1,5) of unit k16 / 2 or (2,6) (3,7); 8-bit, words 0-1 or 2-3
 #pragma unroll
           for (int j = 0; j < RT; j++)

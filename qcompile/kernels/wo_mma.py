@@ -236,6 +236,62 @@ def rt_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, max
     return None
 
 
+# x streamed (XS: a ring of XS_SLOTS chunks per K part, cp.async by one warp of each part, mbarriers) lets the
+# two-tile launch take a column's whole K range (no split, no reduction) at any M: the staged x slice no
+# longer has to fit. Taken on sm_90 for tiled weights at M = XS_MIN_M..16 where its first candidate fills at
+# least XS_MIN_FILL of the SMs, at one token tile or for 8-bit weights; 4-bit weights at two token tiles
+# only where the candidate fills XS_FULL_FILL of the SMs and each warp streams at least XS_MIN_CHUNKS
+# chunks (the per-chunk ring handshake and reordering 4-bit x as it is read cost more than the staging
+# there: NVFP4 lost at every shape). H100, same call, 7 shapes x 4 formats x M = 6, 8, 12, 16
+# (docs/kernels-wo.md, v17), us, default -> xs: 8192^2 int4 M = 8 16.3 -> 15.1, M = 16 18.9 -> 17.9, int8
+# M = 16 28.4 -> 26.1, MXFP8 29.2 -> 26.6; 16384x8192 NVFP4 M = 8 42.1 -> 31.3, MXFP8 56.4 -> 48.4;
+# 4096x14336 int8 M = 16 27.7 -> 24.6; 28672x8192 MXFP8 M = 8 91.2 -> 87.2; losses kept: MXFP8 at one token
+# tile on 14336x4096 and 4096^2 (+0.5-1.1); left out: NVFP4 at M = 12, 16 (+0.6 to +8.2), launches of 86
+# CTAs (11008x4096: MXFP8 +1.2-1.4), int4 at two token tiles on 14336x4096, 28672x8192 (+0.2, +3.9).
+XS_SLOTS = 3  # ring slots (chunks) per K part
+XS_MIN_M = 5
+XS_MIN_FILL = 0.8
+XS_FULL_FILL = 0.9
+XS_MIN_CHUNKS = 8
+
+
+def xs_candidates(m: int, n: int, k: int, bits: int, sms: int) -> list[tuple[int, int, int]]:
+    """(CTAs, warps per tile, split) of the mma.sync build with x streamed (XS), two tiles per warp, 16 warps
+    per CTA and one CTA per SM, no split: every kw whose CTAs fit in one wave, whose ring fits RT_SMEM and
+    whose warps stream at least 2 chunks each; most CTAs first."""
+    nch = k // KPC[bits]
+    out = []
+    for kw in (1, 2, 4, 8, 16):
+        cols = -(-(n // 16) // (16 // kw * 2))
+        if cols <= sms and nch >= 2 * kw and x_bytes(m, 1, bits, xstages=XS_SLOTS, xs_parts=kw) <= RT_SMEM:
+            out.append((cols, kw, 1))
+    return sorted(out, key=lambda c: -c[0])
+
+
+@functools.lru_cache(maxsize=None)  # per call shape
+def xs_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, int], sms: int) -> bool:
+    """Whether the default launch streams x (:func:`xs_launch`): tiled weights on sm_90 at M = XS_MIN_M..16
+    where the first candidate fills the GPU (see XS_MIN_FILL)."""
+    if capability[0] != 9 or not spec.tiled or not XS_MIN_M <= m <= 16:
+        return False
+    bits = spec.dtype.bits
+    cands = xs_candidates(m, n, k, bits, sms)
+    if not cands or cands[0][0] < XS_MIN_FILL * sms:
+        return False
+    if m <= 8 or bits == 8:
+        return True
+    return (spec.dtype is QDtype.INT4 and cands[0][0] >= XS_FULL_FILL * sms
+            and k // KPC[bits] // cands[0][1] >= XS_MIN_CHUNKS)
+
+
+def xs_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device) -> tuple | None:
+    """:func:`launch_plan` of the first of :func:`xs_candidates`; None if there is none."""
+    for _, kw, split in xs_candidates(m, n, k, base.bits, _sm_count(device)):
+        cfg = replace(base, warps=16, kw=kw, rt=2, minb=1, xstages=XS_SLOTS, xs=True)
+        return launch_plan(cfg, m, n, k, device, split, 16, RT_SMEM, MAX_CLUSTER)
+    return None
+
+
 def trig_default(tiled: bool, wgmma: bool, ws: bool, m: int, k: int) -> bool:
     """Early launch_dependents (TRIG): the next call's CTAs take the SMs this call's first finishers
     leave. Same-call A/B on the H100 over 7 shapes (docs/kernels-wo.md, v12): the mma.sync build on tiled
@@ -290,6 +346,11 @@ _DEFAULTS: dict[tuple, tuple] = {}
 def _default_launch(base: MmaConfig, plan_args: tuple, rt: bool) -> tuple:
     m, n, k, device, split, warps_per_sm, smem_budget, max_cluster = plan_args
     cap = _capability(_index(device))
+    if base.xs and split is None:
+        chosen = xs_launch(base, m, n, k, device)
+        if chosen is not None:
+            return chosen
+    base = replace(base, xs=False)
     if rt and split is None:
         chosen = rt_launch(base, m, n, k, device, max_cluster)
         if chosen is not None:
@@ -346,6 +407,7 @@ class MmaConfig:
     kw: int = 1  # mma.sync: warps per 16-row tile, splitting the CTA's K range (reduced in shared memory)
     rt: int = 1  # mma.sync: 16-row tiles per warp (group of kw warps), sharing each x fragment load
     xf16: bool = False  # fp16 x and output, else bf16
+    xs: bool = False  # mma.sync, sm_90: x streamed through a ring of `xstages` chunks per K part, not staged first
 
     @property
     def bits(self) -> int:
@@ -366,7 +428,7 @@ class MmaConfig:
                  STAGES=self.stages, WARPS=self.warps, PACKED=int(self.packed), CLUSTER=self.cluster,
                  PDL=int(self.pdl), WGMMA=int(self.wgmma), XSTAGES=self.xstages,
                  MINB=self.minb, WS=int(self.ws), NSTG=self.nstg, TRIG=int(self.trig), KW=self.kw,
-                 RT=self.rt, XF16=int(self.xf16))
+                 RT=self.rt, XF16=int(self.xf16), XS=int(self.xs))
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 
 
@@ -581,9 +643,12 @@ def x_row_stride(chunks: int, bits: int) -> int:
     return (u + (mod - u % 8 + 8) % 8) * 16
 
 
-def x_bytes(m: int, chunks: int, bits: int, wgmma: bool = False, xstages: int = 4) -> int:
+def x_bytes(m: int, chunks: int, bits: int, wgmma: bool = False, xstages: int = 4, xs_parts: int = 0) -> int:
     """Shared memory for the x rows of ``chunks`` chunks; wgmma: two B buffers and ``xstages``
-    staging slots of one chunk each (whole 8-token groups), whatever the K range."""
+    staging slots of one chunk each (whole 8-token groups), whatever the K range; ``xs_parts`` (the
+    mma.sync build with x streamed): a ring of ``xstages`` chunks for each of that many K parts."""
+    if xs_parts:
+        return xs_parts * xstages * m * x_row_stride(1, bits)
     if wgmma:
         rows = -(-m // 8) * 8
         return 2 * rows * KPC[bits] * 2 + xstages * rows * (KPC[bits] * 2 + 16)
@@ -679,11 +744,13 @@ def _smem(m: int, cps: int, cfg: MmaConfig) -> int:
     if cfg.ws:  # the rings: slots of one chunk of every consumer warp's 16 rows, and of x
         smem = cfg.nstg * cfg.warps * 1024 + cfg.xstages * cfg.mt * 8 * KPC[cfg.bits] * 2
     else:
-        smem = x_bytes(m, cps, cfg.bits, cfg.wgmma, cfg.xstages)
+        smem = x_bytes(m, cps, cfg.bits, cfg.wgmma, cfg.xstages, cfg.kw if cfg.xs else 0)
     if cfg.kw > 1:  # the other warps' partials of each tile reuse x's shared memory
         smem = max(smem, (cfg.warps - cfg.warps // cfg.kw) * cfg.rt * cfg.mt * 512)
     if cfg.cluster > 1:  # the partials reuse x's shared memory: [M][tile rows] fp32
         smem = max(smem, m * cfg.tiles * 16 * 4)
+    if cfg.xs:  # then the ring's full and empty mbarriers (wo_mma.cu: xs_bar_offset)
+        smem = -(-smem // 16) * 16 + 16 * cfg.kw * cfg.xstages
     return smem
 
 
@@ -722,13 +789,13 @@ def launch_plan(base: MmaConfig, m: int, n: int, k: int, device: torch.device, s
     if key in _PLANS:
         return _PLANS[key]
     bits, nch, sms = base.bits, k // KPC[base.bits], _sm_count(device)
-    wg = base.wgmma
+    wg = base.wgmma or base.xs  # (the builds that stream x: no slice to fit)
     cols, nsplit, cps = plan(m, n, k, bits, base.warps, base.stages, sms, split, warps_per_sm, smem_budget, wg,
                              base.kw, base.rt)
     shrink = m >= CLUSTER_SHRINK_MIN_M
     glob = replace(base, cluster=1)
 
-    def x_fits(chunks: int, limit: int) -> bool:  # the mma.sync build's x slice; the wgmma builds stream x
+    def x_fits(chunks: int, limit: int) -> bool:  # the mma.sync build's x slice, unless streamed
         return wg or x_bytes(m, chunks, bits) <= limit
 
     if split is None and not shrink:  # one wave
@@ -772,7 +839,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
            warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET,
            max_cluster: int = MAX_CLUSTER, pdl: bool | None = None, wgmma: bool | None = None,
            xstages: int | None = None, minb: int = 1, ws: bool | None = None, nstg: int = 8,
-           trig: bool | None = None, kw: int | None = None, rt: int = 1) -> torch.Tensor:
+           trig: bool | None = None, kw: int | None = None, rt: int = 1, xs: bool | None = None) -> torch.Tensor:
     """x2 [M, K] contiguous bf16 or fp16 (M <= :func:`max_m`) -> [M, N] of x2's dtype. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH` (8 warps per CTA), or
@@ -793,10 +860,11 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     m, k = x2.shape
     n, sms = weight.shape[0], _sm_count(x2.device)
     xf16 = x2.dtype == torch.float16
+    mma_sync = (kw or 1) > 1 or rt > 1 or bool(xs)  # kw / rt / xs ask for the mma.sync build
     if ws is None:  # a caller's wgmma=True / False asks for that build
-        ws = wgmma is None and ws_default(spec, m, n, k, cap, sms) and (kw or 1) == 1 and rt == 1
-    if wgmma is None and not ws:  # kw / rt ask for the mma.sync build
-        wgmma = wgmma_default(m, cap) and (kw or 1) == 1 and rt == 1
+        ws = wgmma is None and ws_default(spec, m, n, k, cap, sms) and not mma_sync
+    if wgmma is None and not ws:
+        wgmma = wgmma_default(m, cap) and not mma_sync
     if ws:
         if not packed or cap[0] != 9 or m > WGMMA_MAX_M:
             raise ValueError(f"wo_mma: the warp-specialized build streams tiled weights on an sm_90 GPU, M <= "
@@ -816,12 +884,17 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
         raise ValueError(f"wo_mma: the mma.sync build takes M <= {MAX_M}, have M = {m}")
     # the mma.sync launch left to wo_mma on tiled weights
     auto = kw is None and rt == 1 and packed and not wgmma and not (warps or stages or warps_per_sm or split)
+    if xs is None:
+        xs = auto and xs_default(spec, m, n, k, cap, sms)
     kw, warps = kw or 1, warps or MMA_WARPS
     if kw > 1 and (wgmma or warps % kw):
         raise ValueError(f"wo_mma: kw={kw} (warps sharing a tile) takes the mma.sync build with warps a multiple "
                          f"of it, have wgmma={wgmma}, warps={warps}")
     if rt > 1 and wgmma:
         raise ValueError(f"wo_mma: rt={rt} (tiles per warp) takes the mma.sync build, have wgmma=True")
+    if xs and (wgmma or cap[0] != 9 or (xstages or 2) < 2):
+        raise ValueError(f"wo_mma: xs=True (x streamed) takes the mma.sync build on an sm_90 GPU and xstages >= 2 "
+                         f"ring slots, have wgmma={wgmma}, sm_{cap[0]}{cap[1]}, xstages={xstages}")
     xstages = xstages or 4
     d_stages, d_wps = LAUNCH[packed]
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
@@ -832,7 +905,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     zp_t = ZP_TYPES[zero_point.dtype] if zero_point is not None else "int"
     base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, zero_point is not None,
                      zp_t, global_scale is not None, bias is not None, mt, stages, warps, packed, pdl=pdl,
-                     wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg, trig=trig, kw=kw, rt=rt, xf16=xf16)
+                     wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg, trig=trig, kw=kw, rt=rt, xf16=xf16, xs=xs)
     plan_args = (m, n, k, x2.device, split, warps_per_sm, smem_budget, max_cluster)
     if auto:
         cfg, kern, cols, nsplit, cps, smem = default_launch(base, *plan_args, rt=rt_default(spec, m, n, k, cap, sms))

@@ -127,6 +127,37 @@ def test_tile_sharing_plan():
     # two tiles per warp: twice the partials, and a cluster's [M][tile rows] over 32 tiles
     assert wo_mma._smem(1, 1, replace(cfg, rt=2)) == (16 - 2) * 2 * 2 * 512
     assert wo_mma._smem(16, 4, replace(cfg, kw=1, rt=2, cluster=8)) == 16 * 32 * 16 * 4 > wo_mma.x_bytes(16, 4, 4)
+    # x streamed: a ring of xstages chunks (rows padded to 288 bytes) per K part, whatever the K range, then
+    # a full and an empty mbarrier per slot
+    ring = 8 * 4 * 16 * 288
+    assert wo_mma.x_bytes(16, 64, 4, xstages=4, xs_parts=8) == wo_mma.x_bytes(16, 1, 4) * 8 * 4 == ring
+    assert wo_mma._smem(16, 64, replace(cfg, cluster=2, xs=True)) == ring + 16 * 8 * 4
+    assert wo_mma._smem(16, 2, replace(cfg, cluster=2, xs=True)) == ring + 16 * 8 * 4
+    assert wo_mma._smem(1, 3, replace(cfg, kw=2, rt=2, xs=True, xstages=3)) == (16 - 8) * 2 * 2 * 512 + 16 * 2 * 3
+
+
+def test_x_streamed_candidates_and_policy():
+    """xs_candidates: no split, the ring (not the K range) within RT_SMEM, most CTAs first; xs_default: tiled
+    weights on sm_90 at M = 5..16 where the first candidate fills 80% of the SMs, 4-bit weights at two token
+    tiles only where it fills 90% and each warp streams >= 8 chunks (the H100 A/B of v17)."""
+    assert wo_mma.xs_candidates(16, 8192, 8192, 4, 132)[:2] == [(128, 8, 1), (64, 4, 1)]  # staged: 278 KB
+    assert wo_mma.xs_candidates(16, 4096, 14336, 4, 132)[0] == (64, 8, 1)  # kw 16: a 221 KB ring
+    assert wo_mma.xs_candidates(16, 4096, 14336, 8, 132)[0] == (128, 16, 1)
+    for m, n, k, bits in ((16, 8192, 8192, 4), (6, 28672, 8192, 8), (12, 4096, 4096, 4)):
+        for ctas, kw, split in wo_mma.xs_candidates(m, n, k, bits, 132):
+            assert split == 1 and ctas == -(-(n // 16) // (16 // kw * 2)) <= 132
+            assert wo_mma.x_bytes(m, 1, bits, xstages=wo_mma.XS_SLOTS, xs_parts=kw) <= wo_mma.RT_SMEM
+
+    def xs(name, m, n, k, cap=(9, 0), tiled=True):
+        return wo_mma.xs_default(replace(SPECS[name], tiled=tiled), m, n, k, cap, 132)
+
+    assert all(xs(name, m, 8192, 8192) for name in ("int4_g128", "int8_channel_packed", "mxfp8") for m in (5, 8, 16))
+    assert xs("nvfp4", 8, 8192, 8192) and not xs("nvfp4", 9, 8192, 8192)  # 4-bit e2m1 at two token tiles
+    assert xs("int4_g128", 8, 14336, 4096) and not xs("int4_g128", 12, 14336, 4096)  # 112 CTAs, 8 chunks
+    assert not xs("int4_g128", 12, 4096, 4096) and xs("int8_channel_packed", 12, 4096, 4096)  # 2 chunks per warp
+    assert not xs("int8_channel_packed", 8, 11008, 4096)  # 86 CTAs
+    assert not any((xs("int4_g128", 4, 8192, 8192), xs("int4_g128", 17, 8192, 8192),
+                    xs("int4_g128", 8, 8192, 8192, (10, 0)), xs("int4_g128", 8, 8192, 8192, tiled=False)))
 
 
 @pytest.mark.parametrize("n,w", [(16, 16), (48, 64), (4096, 512)])
@@ -250,6 +281,23 @@ def test_source_compiles(name, mt, cluster, pdl, wgmma, arch, ws, trig):
                            wgmma=wgmma, packed=ws, ws=ws, trig=trig, kw=4 if mt == 2 else 1)
     cubin = wo_mma.compile_cubin(wo_mma.source(cfg), wo_mma.arch_of(cfg, int(arch[0]), int(arch[1])))
     assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.skipif(not NVRTC and not HAS_CUDA, reason="needs an NVRTC library (QCOMPILE_NVRTC) or a GPU")
+@pytest.mark.parametrize("name", MMA_NAMES)
+def test_source_compiles_x_streamed(name):
+    """x streamed in (XS, sm_90): with two tiles per warp and shared tiles reduced in a cluster, one tile per
+    warp reduced through global memory, 4 token tiles; refused with the wgmma builds."""
+    spec = SPECS[name]
+    smode, group = wo_mma.scale_mode(spec)
+    cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
+                           spec.zero_point, "int", spec.global_scale, True, 2, warps=16, cluster=2, pdl=True,
+                           packed=True, kw=4, rt=2, xs=True)
+    for c in (cfg, replace(cfg, mt=1, kw=1, rt=1, cluster=1, warps=8, packed=False), replace(cfg, mt=4, rt=1)):
+        assert wo_mma.compile_cubin(wo_mma.source(c), "90")[:4] == b"\x7fELF"
+    with pytest.raises(RuntimeError, match="XS: the mma.sync build"):
+        wo_mma.compile_cubin(wo_mma.source(replace(cfg, kw=1, rt=1, wgmma=True, smode=wo_mma.scale_mode(spec, True)[0])),
+                             "90a")
 
 
 FP16_NAMES = [n for n in MMA_NAMES if SPECS[n].scale.dtype is not ScaleDtype.E8M0]
@@ -426,6 +474,34 @@ def test_gpu_mma_tile_sharing(name, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (mbarrier.try_wait)")
+@pytest.mark.parametrize("n,k", ((4096, 4096), (4112, 4224)), ids=str)
+@pytest.mark.parametrize("name", MMA_NAMES)
+def test_gpu_mma_x_streamed(name, n, k):
+    """x streamed through a ring per K part (xs=True): within the reference tolerance in every launch shape of
+    the mma.sync build (one or two tiles per warp, warps sharing a tile with parts of unequal or no chunks:
+    4224 = 33 chunks; splits reduced in a cluster, whose partials, like the KW partials, reuse the ring's
+    memory, and through global memory; idle warps and tile groups past N = 4112; tiled and canonical words;
+    2 to 4 ring slots; fp16 x), and the same bits as x staged first where that launch fits."""
+    launches = (dict(split=2), dict(kw=4, split=2, xstages=2), dict(kw=8, warps=16, split=1, xstages=2),
+                dict(rt=2, kw=4, warps=16, split=2, xstages=3), dict(rt=2, warps=16, split=8),
+                dict(split=3, max_cluster=1), dict(rt=2, kw=2, split=3, max_cluster=1), dict(split=1, stages=4),
+                dict(rt=2, kw=8, warps=16, split=1, xstages=3))
+    spec = SPECS[name]
+    nch = k // wo_mma.KPC[spec.dtype.bits]
+    for i, m in enumerate((1, 3, 8, 9, 16, 32)):
+        dtype = torch.float16 if i == 2 and name in FP16_NAMES else torch.bfloat16
+        case = _wo_mma_case(name, m, n, k, dtype, 60 + i)
+        for j, launch in enumerate(launches):
+            args = _wo_mma_args(case, (i + j) % 2 == 0)
+            what = f"{name} M={m} {launch} tiled={(i + j) % 2 == 0} {dtype}"
+            out = _matches(case, args, k, what, xs=True, **launch)
+            if wo_mma.x_bytes(m, -(-nch // launch["split"]), spec.dtype.bits) <= wo_mma.RT_SMEM:
+                staged = {a: b for a, b in launch.items() if a != "xstages"}
+                assert torch.equal(out, wo_mma.wo_mma(*args, xs=False, wgmma=False, **staged)), what
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("n,k", ((4096, 4096), (4112, 4224)), ids=str)
 @pytest.mark.parametrize("name", FP16_NAMES)
@@ -459,12 +535,24 @@ def test_gpu_mma_default_launch_policy(monkeypatch):
     cluster (14336x4096 M = 1). Shared-tile launches and cluster plans are compiled for the CTAs per SM
     they plan (minb), plans reduced through global memory are not. At M = 9..16 two tiles per warp, one
     16-warp CTA per SM: 4096^2 M = 16 without a split (16 warps per tile), 8192^2 M = 12 with 4 per tile
-    and a split of 2 in a cluster; wide weights from M = 6 (28672x4096 M = 8). Every launch matches the
-    reference."""
+    and a split of 2 in a cluster; wide weights from M = 6 (28672x4096 M = 8). That is the policy with x
+    staged; with x streamed (xs_default) the launches from M = 5 where the GPU is filled take two tiles per
+    warp and no split. Every launch matches the reference."""
     spec = replace(SPECS["int4_g128"], tiled=True)
     launched = []
     default = wo_mma.default_launch
     monkeypatch.setattr(wo_mma, "default_launch", lambda *a, **k: launched.append(default(*a, **k)) or launched[-1])
+    streamed = {}
+    for m, n, k in ((8, 4096, 4096), (8, 14336, 4096), (12, 8192, 8192), (16, 4096, 4096)):
+        case = _gpu_case("int4_g128", m, n, k, torch.bfloat16, seed=4)
+        out = wo_mma.wo_mma(case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"], None, None,
+                            case["bias"], spec)
+        _check(out, case, k, f"M={m} {n}x{k} xs")
+        cfg, split = launched[-1][0], launched[-1][3]
+        streamed[(m, n)] = (cfg.xs, cfg.kw, cfg.rt, split)
+    assert streamed == {(8, 4096): (True, 16, 2, 1), (8, 14336): (True, 4, 2, 1), (12, 8192): (True, 8, 2, 1),
+                        (16, 4096): (False, 16, 2, 1)}
+    monkeypatch.setattr(wo_mma, "xs_default", lambda *a: False)
     chosen = {}
     for m, n, k in ((1, 4096, 4096), (8, 4096, 4096), (1, 14336, 4096), (8, 14336, 4096), (16, 4096, 4096),
                     (12, 8192, 8192), (8, 28672, 4096)):
