@@ -14,7 +14,9 @@
 //  * Inside one mma step the k order is free as long as A and B agree, so each lane uses the k of
 //    its own words: the A fragment is decoded in registers with no shuffles, and x is stored in
 //    shared memory already in the matching order (4-bit: byte-permuted once per CTA), padded so
-//    the 16-byte reads are conflict-free. x for the CTA's K range is loaded once.
+//    the 16-byte reads are conflict-free. x for the CTA's K range is loaded once, or (XS, sm_90) streamed
+//    through a ring of XSTAGES chunks per K part: one warp of each part refills it with cp.async, full /
+//    empty mbarriers per slot, so the CTA may take any K range (4-bit units reordered as they are read).
 //  * Scales: per row in the epilogue (tensor / channel), per chunk after the MMA in fp32 (groups
 //    that cover a whole chunk, e.g. int4 g128), or multiplied into the decoded values before it
 //    (smaller groups: NVFP4 16, MX 32; exact for e2m1/e4m3 x fp8/e8m0 scales in bf16).
@@ -47,7 +49,7 @@
 // (tiled words), CLUSTER (splits in one cluster), PDL, TRIG (early launch_dependents), WGMMA, XSTAGES
 // (x chunks in flight, wgmma), MINB (CTAs per SM the registers must allow), WS (the warp-specialized
 // build), NSTG (its weight slots), KW (warps per 16-row tile), RT (16-row tiles per warp), XF16 (fp16 x
-// and output).
+// and output), XS (x streamed through a ring in the mma.sync build).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
