@@ -94,7 +94,7 @@ typedef unsigned short u16;
 #if RT > 1 && (WGMMA || WS)
 #error "RT > 1: the mma.sync build"
 #endif
-// XS (sm_90): the mma.sync build streams x through a ring of XSTAGES chunks per K part (bulk copies,
+// XS (sm_90): the mma.sync build streams x through a ring of XSTAGES chunks per K part (cp.async,
 // mbarriers) instead of staging the CTA's whole x slice before the first MMA; its shared memory then no
 // longer grows with the K range, so a CTA may take all of K at M = 9..16.
 #ifndef XS
@@ -113,10 +113,12 @@ typedef unsigned short u16;
 #define X_CS (KPC * 2 + (BITS == 4 ? 16 : 0))
 #define X_SEG(q) ((q) * KPL * 2 + (BITS == 4 ? ((q) >> 1) * 16 : 0))
 #define X_ROW_MOD (BITS == 4 ? 2 : 1)
-__device__ __forceinline__ int x_row_stride(int chunks) {
+__device__ __forceinline__ constexpr int x_row_stride(int chunks) {
   const int u = chunks * X_CS / 16;
   return (u + (X_ROW_MOD - u % 8 + 8) % 8) * 16;
 }
+// Byte offset of 16-byte unit `wu` (of KPC / 8) in a chunk of one x row: lane wu / UNITS's segment.
+__device__ __forceinline__ int x_unit_off(int wu) { return X_SEG(wu / UNITS) + (wu % UNITS) * 16; }
 
 struct __align__(16) U4 { u32 v[4]; };
 
@@ -352,9 +354,6 @@ __device__ __forceinline__ void wg_fence_acc(float (&acc)[MT][4]) {
 __device__ __forceinline__ void mbar_init(u32 a, int n) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(n) : "memory");
 }
-__device__ __forceinline__ void mbar_expect_tx(u32 a, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void mbar_arrive(u32 a) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
 }
@@ -365,18 +364,13 @@ __device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
                  : "=r"(done) : "r"(a), "r"(parity) : "memory");
   } while (!done);
 }
-// global -> this CTA's shared memory, `bytes` (a multiple of 16) counted on mbarrier `bar`
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar, unsigned long long pol) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
-}
 #endif
 #if XS
 // The ring: slot `sl` of K part kp at (kp * XSTAGES + sl) * M rows of XRS bytes (one chunk, padded as the
-// staged slice: conflict-free). Its mbarriers (full: bytes landed; empty: every active tile group of the
-// part has its x in registers) follow the ring and the regions that reuse its memory after the main loop
+// staged slice: conflict-free). Its mbarriers (full: the producer warp's copies landed; empty: every active
+// tile group of the part has its x in registers) follow the ring and the regions that reuse its memory after the main loop
 // (the KW partials, the cluster's partials), so they stay valid to the end.
-#define XRS (((X_CS / 16) + (X_ROW_MOD - (X_CS / 16) % 8 + 8) % 8) * 16)
+constexpr int XRS = x_row_stride(1);
 __device__ __forceinline__ int xs_bar_offset(int M) {
   int o = KW * XSTAGES * M * XRS;
 #if KW > 1
@@ -393,7 +387,7 @@ __device__ __forceinline__ void x_fill(u32 slot, u32 full, const u16* __restrict
   constexpr int UPR = KPC / 8;  // 16-byte units per row
   for (int t = threadIdx.x & 31; t < M * UPR; t += 32) {
     const int m = t / UPR, wu = t % UPR;
-    cp_async16(slot + m * XRS + X_SEG(wu / UNITS) + (wu % UNITS) * 16, x + (size_t)m * K + (size_t)ch * KPC + wu * 8);
+    cp_async16(slot + m * XRS + x_unit_off(wu), x + (size_t)m * K + (size_t)ch * KPC + wu * 8);
   }
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
 }
@@ -407,6 +401,14 @@ __device__ __forceinline__ void x_fill(u32 slot, u32 full, const u16* __restrict
 // and release them (`empty`, every consumer thread arrives): a weight slot as soon as its words are
 // in registers, an x slot once the wgmmas that read it are done. No CTA barrier in the main loop.
 #define WSTAGE (WARPS * 1024)  // one chunk of 16 rows (2 x 32 lanes x 16 bytes) per warp
+__device__ __forceinline__ void mbar_expect_tx(u32 a, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
+}
+// global -> this CTA's shared memory, `bytes` (a multiple of 16) counted on mbarrier `bar`
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar, unsigned long long pol) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
+}
 #endif
 
 // Group index (scale / zero-point column) of lane q's k in chunk ch.
@@ -701,13 +703,14 @@ WO_MMA_KERNEL {
 #if XS
   // this part's ring and barriers; its producer is the part's warp of tile group 0, which (if any is) is active
   const u32 xring = smem_addr(xs) + kp * XSTAGES * M * XRS;
-  const u32 xfull = smem_addr(xs) + xs_bar_offset(M) + kp * XSTAGES * 8, xempty = xfull + KW * XSTAGES * 8;
+  const u32 xbars = smem_addr(xs) + xs_bar_offset(M);  // full [KW][XSTAGES], then empty [KW][XSTAGES]
+  const u32 xfull = xbars + kp * XSTAGES * 8, xempty = xfull + KW * XSTAGES * 8;
   const bool producer = warp < KW && active;
   const int nsteps = w1 - w0;
   if (threadIdx.x < KW * XSTAGES) {
     const int groups = min(WARPS / KW, (N / 16 - (int)blockIdx.x * TPC + RT - 1) / RT);  // active groups
-    mbar_init(smem_addr(xs) + xs_bar_offset(M) + threadIdx.x * 8, 32);
-    mbar_init(smem_addr(xs) + xs_bar_offset(M) + (KW * XSTAGES + threadIdx.x) * 8, max(groups, 1));
+    mbar_init(xbars + threadIdx.x * 8, 32);
+    mbar_init(xbars + (KW * XSTAGES + threadIdx.x) * 8, max(groups, 1));
   }
   __syncthreads();
 #endif
@@ -743,8 +746,7 @@ WO_MMA_KERNEL {
     for (int i = threadIdx.x; i < M * (ks / 8); i += WARPS * 32) {
       const int m = i / (ks / 8), gu = i - m * (ks / 8);
       const U4 v = x_unit_order(*(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8));
-      const int wu = gu % upc, qq = wu / UNITS;
-      const u32 off = (gu / upc) * X_CS + X_SEG(qq) + (wu % UNITS) * 16;
+      const u32 off = (gu / upc) * X_CS + x_unit_off(gu % upc);
       asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(base + m * rs + off),
                    "r"(v.v[0]), "r"(v.v[1]), "r"(v.v[2]), "r"(v.v[3]));
     }

@@ -195,19 +195,21 @@ RT_MT = 2  # token tiles of the two-tile launch (from 3, 128 registers do not ho
 RT_WIDE_MIN_M = 6
 
 
-def rt_candidates(m: int, n: int, k: int, bits: int, sms: int) -> list[tuple[int, int, int]]:
+def rt_candidates(m: int, n: int, k: int, bits: int, sms: int, xs: bool = False) -> list[tuple[int, int, int]]:
     """(CTAs, warps per tile, split) of the mma.sync build with two tiles per warp, 16 warps per CTA and
     one CTA per SM: every split up to MAX_CLUSTER whose CTAs fit in one wave, whose x slice fits
-    RT_SMEM and whose warps stream at least 2 chunks each; most CTAs first, then fewer splits."""
+    RT_SMEM and whose warps stream at least 2 chunks each; most CTAs first, then fewer splits. ``xs`` (x
+    streamed): no split, and the ring of XS_SLOTS chunks per K part within RT_SMEM in place of the slice."""
     nch = k // KPC[bits]
     out = []
     for kw in (1, 2, 4, 8, 16):
         cols = -(-(n // 16) // (16 // kw * 2))
-        for split in range(1, MAX_CLUSTER + 1):
+        for split in range(1, 2 if xs else MAX_CLUSTER + 1):
             cps = -(-nch // split)
             if -(-nch // cps) != split or cols * split > sms:
                 continue
-            if x_bytes(m, cps, bits) <= RT_SMEM and cps >= 2 * kw:
+            x = x_bytes(m, 1, bits, xstages=XS_SLOTS, xs_parts=kw) if xs else x_bytes(m, cps, bits)
+            if x <= RT_SMEM and cps >= 2 * kw:
                 out.append((cols * split, kw, split))
     return sorted(out, key=lambda c: (-c[0], c[2]))
 
@@ -255,19 +257,6 @@ XS_FULL_FILL = 0.9
 XS_MIN_CHUNKS = 8
 
 
-def xs_candidates(m: int, n: int, k: int, bits: int, sms: int) -> list[tuple[int, int, int]]:
-    """(CTAs, warps per tile, split) of the mma.sync build with x streamed (XS), two tiles per warp, 16 warps
-    per CTA and one CTA per SM, no split: every kw whose CTAs fit in one wave, whose ring fits RT_SMEM and
-    whose warps stream at least 2 chunks each; most CTAs first."""
-    nch = k // KPC[bits]
-    out = []
-    for kw in (1, 2, 4, 8, 16):
-        cols = -(-(n // 16) // (16 // kw * 2))
-        if cols <= sms and nch >= 2 * kw and x_bytes(m, 1, bits, xstages=XS_SLOTS, xs_parts=kw) <= RT_SMEM:
-            out.append((cols, kw, 1))
-    return sorted(out, key=lambda c: -c[0])
-
-
 @functools.lru_cache(maxsize=None)  # per call shape
 def xs_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, int], sms: int) -> bool:
     """Whether the default launch streams x (:func:`xs_launch`): tiled weights on sm_90 at M = XS_MIN_M..16
@@ -275,7 +264,7 @@ def xs_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
     if capability[0] != 9 or not spec.tiled or not XS_MIN_M <= m <= 16:
         return False
     bits = spec.dtype.bits
-    cands = xs_candidates(m, n, k, bits, sms)
+    cands = rt_candidates(m, n, k, bits, sms, xs=True)
     if not cands or cands[0][0] < XS_MIN_FILL * sms:
         return False
     if m <= 8 or bits == 8:
@@ -285,11 +274,12 @@ def xs_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
 
 
 def xs_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device) -> tuple | None:
-    """:func:`launch_plan` of the first of :func:`xs_candidates`; None if there is none."""
-    for _, kw, split in xs_candidates(m, n, k, base.bits, _sm_count(device)):
-        cfg = replace(base, warps=16, kw=kw, rt=2, minb=1, xstages=XS_SLOTS, xs=True)
-        return launch_plan(cfg, m, n, k, device, split, 16, RT_SMEM, MAX_CLUSTER)
-    return None
+    """:func:`launch_plan` of the first candidate with x streamed (:func:`rt_candidates`); None if there is none."""
+    cands = rt_candidates(m, n, k, base.bits, _sm_count(device), xs=True)
+    if not cands:
+        return None
+    cfg = replace(base, warps=16, kw=cands[0][1], rt=2, minb=1, xstages=XS_SLOTS, xs=True)
+    return launch_plan(cfg, m, n, k, device, cands[0][2], 16, RT_SMEM, MAX_CLUSTER)
 
 
 def trig_default(tiled: bool, wgmma: bool, ws: bool, m: int, k: int) -> bool:

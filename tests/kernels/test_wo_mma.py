@@ -137,14 +137,14 @@ def test_tile_sharing_plan():
 
 
 def test_x_streamed_candidates_and_policy():
-    """xs_candidates: no split, the ring (not the K range) within RT_SMEM, most CTAs first; xs_default: tiled
+    """rt_candidates with x streamed: no split, the ring (not the K range) within RT_SMEM, most CTAs first; xs_default: tiled
     weights on sm_90 at M = 5..16 where the first candidate fills 80% of the SMs, 4-bit weights at two token
     tiles only where it fills 90% and each warp streams >= 8 chunks (the H100 A/B of v17)."""
-    assert wo_mma.xs_candidates(16, 8192, 8192, 4, 132)[:2] == [(128, 8, 1), (64, 4, 1)]  # staged: 278 KB
-    assert wo_mma.xs_candidates(16, 4096, 14336, 4, 132)[0] == (64, 8, 1)  # kw 16: a 221 KB ring
-    assert wo_mma.xs_candidates(16, 4096, 14336, 8, 132)[0] == (128, 16, 1)
+    assert wo_mma.rt_candidates(16, 8192, 8192, 4, 132, xs=True)[:2] == [(128, 8, 1), (64, 4, 1)]  # staged: 278 KB
+    assert wo_mma.rt_candidates(16, 4096, 14336, 4, 132, xs=True)[0] == (64, 8, 1)  # kw 16: a 221 KB ring
+    assert wo_mma.rt_candidates(16, 4096, 14336, 8, 132, xs=True)[0] == (128, 16, 1)
     for m, n, k, bits in ((16, 8192, 8192, 4), (6, 28672, 8192, 8), (12, 4096, 4096, 4)):
-        for ctas, kw, split in wo_mma.xs_candidates(m, n, k, bits, 132):
+        for ctas, kw, split in wo_mma.rt_candidates(m, n, k, bits, 132, xs=True):
             assert split == 1 and ctas == -(-(n // 16) // (16 // kw * 2)) <= 132
             assert wo_mma.x_bytes(m, 1, bits, xstages=wo_mma.XS_SLOTS, xs_parts=kw) <= wo_mma.RT_SMEM
 
