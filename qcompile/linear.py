@@ -216,7 +216,7 @@ class QuantLinear(nn.Module):
         if name != "wo_mma":
             return
         tiled = replace(scheme.weight, tiled=True)
-        self.weight = _param(quant_math.tile_words(w.data))
+        self.weight = _param(quant_math.tile_words(w.data, scheme.weight.dtype.bits))
         self.scheme_key = replace(scheme, weight=tiled).key
 
     def _quantize_online(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -103,22 +103,54 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return lut[codes.long()]
 
 
-def untile_words(weight: torch.Tensor) -> torch.Tensor:
+# A tiled 4-bit word holds its 8 elements in pair order: nibble j (bits 4j..4j+3) is element
+# (j % 4) * 2 + j // 4, so nibbles (p, p + 4) are the natural pair (2p, 2p + 1) that one `& 0x000F000F`
+# extracts. x then needs no reordering in the kernel. As bytes of the little-endian word, canonical
+# b0..b3 become (lo b0 | lo b1 << 4, lo b2 | lo b3 << 4, hi b0 | hi b1 << 4, hi b2 | hi b3 << 4).
+_PAIR_ROWS = 2048  # rows per step of the in-place nibble permutation (bounds its temporaries)
+
+
+def _permute_nibbles(words: torch.Tensor, to_pairs: bool) -> None:
+    """Canonical 4-bit words <-> pair order (see above), in place, on int32 [N, W]."""
+    b = words.view(torch.uint8).view(words.shape[0], -1, 4)
+    for r in range(0, b.shape[0], _PAIR_ROWS):
+        part = b[r:r + _PAIR_ROWS]
+        lo, hi = part & 0xF, part >> 4
+        if to_pairs:
+            part[..., 0] = lo[..., 0] | (lo[..., 1] << 4)
+            part[..., 1] = lo[..., 2] | (lo[..., 3] << 4)
+            part[..., 2] = hi[..., 0] | (hi[..., 1] << 4)
+            part[..., 3] = hi[..., 2] | (hi[..., 3] << 4)
+        else:
+            part[..., 0] = lo[..., 0] | (lo[..., 2] << 4)
+            part[..., 1] = hi[..., 0] | (hi[..., 2] << 4)
+            part[..., 2] = lo[..., 1] | (lo[..., 3] << 4)
+            part[..., 3] = hi[..., 1] | (hi[..., 3] << 4)
+
+
+def untile_words(weight: torch.Tensor, bits: int) -> torch.Tensor:
     """The canonical words of a weight tiled for wo_mma (:func:`tile_words`), in its dtype."""
     words = weight.contiguous().view(torch.int32)
     n, w = words.shape
     words = words.view(n // 16, w // 16, 2, 8, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(n, w)
+    if bits == 4:
+        words = words.clone() if words.data_ptr() == weight.data_ptr() else words
+        _permute_nibbles(words, to_pairs=False)
     return words.view(weight.dtype)
 
 
-def tile_words(weight: torch.Tensor) -> torch.Tensor:
+def tile_words(weight: torch.Tensor, bits: int) -> torch.Tensor:
     """Canonical weight [N, K/EPW] words (any 4-byte-per-word view: int32, or uint8 / int8 / fp8 rows of
-    4-byte multiples) -> wo_mma's streaming order, same shape, dtype and bytes:
+    4-byte multiples) of ``bits``-bit elements -> wo_mma's streaming order, same shape, dtype and size:
     [N/16 tiles][W/16 chunks][2 row halves][8 rows][4 lanes][4 words], so each warp of the kernel reads
-    one contiguous run. N % 16 == 0 and W % 16 == 0."""
+    one contiguous run; 4-bit words with their nibbles in pair order (above). N % 16 == 0 and
+    W % 16 == 0. One new tensor; the permutation's temporaries are bounded by ``_PAIR_ROWS`` rows."""
     words = weight.contiguous().view(torch.int32)
     n, w = words.shape
     words = words.view(n // 16, 2, 8, w // 16, 4, 4).permute(0, 3, 1, 2, 4, 5).reshape(n, w)
+    if bits == 4:
+        words = words.clone() if words.data_ptr() == weight.data_ptr() else words
+        _permute_nibbles(words, to_pairs=True)
     return words.view(weight.dtype)
 
 
@@ -149,7 +181,7 @@ def sort_act_order(weight: torch.Tensor, g_idx: torch.Tensor, spec: WeightSpec, 
 def decode_weight_codes(weight: torch.Tensor, spec: WeightSpec, k: int) -> torch.Tensor:
     """Element values (before scales) of a stored weight, fp32 [N, K]."""
     if spec.tiled:
-        weight = untile_words(weight)
+        weight = untile_words(weight, spec.dtype.bits)
     if spec.packing is Packing.INT32:
         return unpack_int32(weight, spec.dtype.bits, k).float()
     if spec.packing is Packing.UINT8 and spec.dtype is QDtype.FP4_E2M1:

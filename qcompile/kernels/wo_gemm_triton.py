@@ -224,6 +224,8 @@ if HAS_TRITON:
         FAST_E2M1: tl.constexpr = (PTX_DECODE and FMT == _FMT_E2M1 and not POST
                                    and x_ptr.dtype.element_ty == tl.bfloat16)
         FAST: tl.constexpr = FAST_INT4 or FAST_E2M1
+        # tiled 4-bit words hold element j at nibble j // 2 + 4 (j % 2) (quant_math.tile_words)
+        PAIRS: tl.constexpr = TILED and EPW == 8
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_i = tl.arange(0, BKW)
@@ -270,13 +272,13 @@ if HAS_TRITON:
             else:
                 xs = _x_slices(x_ptr, offs_m, m_ok, k0, K, BLOCK_M, BLOCK_K, EPW)
             for j in tl.static_range(EPW if FAST else 0):
-                xt = tl.trans(xs[j])
+                xt = tl.trans(xs[j])  # element j is nibble j // 2 + 4 (j % 2) of a tiled 4-bit word
                 if FAST_INT4:
-                    part = tl.dot(q[j], xt, part)
+                    part = tl.dot(q[j + PAIRS * (j // 2 + 4 * (j % 2) - j)], xt, part)
                 else:
-                    acc = tl.dot(q[j], xt, acc)
+                    acc = tl.dot(q[j + PAIRS * (j // 2 + 4 * (j % 2) - j)], xt, acc)
             for j in tl.static_range(0 if FAST else EPW):  # portable decode (fp32), any format
-                v = _decode(words >> (j * BITS), FMT)  # [BN, BKW] fp32: elements k = kk + j
+                v = _decode(words >> ((j + PAIRS * (j // 2 + 4 * (j % 2) - j)) * BITS), FMT)  # elements k = kk + j
                 if ACT_ORDER:  # column k uses group g_idx[k]
                     gsel = rows[:, None] * stride_sn + tl.load(g_ptr + kk + j)[None, :]
                     s = _scale_value(tl.load(s_ptr + gsel), SCALE_KIND)
@@ -328,8 +330,9 @@ if HAS_TRITON:
         rows = tl.where(offs_n < N, offs_n, 0)
         offs_i = tl.arange(0, BKW)
         j = tl.arange(0, EPW)
+        sl = j // 2 + 4 * (j % 2) if TILED and EPW == 8 else j  # element j's nibble (see _wo_gemm_kernel)
         words = tl.load(w_ptr + _word_offsets(rows, tl.program_id(1) * BKW + offs_i, stride_wn, TILED))
-        v = _decode(words[:, :, None] >> (j * BITS)[None, None, :], FMT)  # [BN, BKW, EPW]: k in natural order
+        v = _decode(words[:, :, None] >> (sl * BITS)[None, None, :], FMT)  # [BN, BKW, EPW]: k in natural order
         if ACT_ORDER:  # a scale per element, gathered through g_idx
             k = tl.program_id(1) * BLOCK_K + (offs_i * EPW)[:, None] + j[None, :]  # [BKW, EPW]
             sidx = rows[:, None, None] * stride_sn + tl.load(g_ptr + k)[None, :, :]

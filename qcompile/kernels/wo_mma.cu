@@ -5,7 +5,8 @@
 //
 // The weight is streamed either in its canonical checkpoint layout (row-major words, element k of
 // a row at bits BITS*(k % EPW) of word k / EPW; e2m1 bytes read as the same words) or tiled
-// (PACKED: quant_math.tile_words permutes the same words so each warp streams one contiguous run):
+// (PACKED: quant_math.tile_words permutes the same words so each warp streams one contiguous run, and
+// puts a 4-bit word's nibbles in pair order so that x needs no reordering):
 //
 //  * The weight is the MMA's A operand (m16n8k16, rows = output features), x is B (n = 8 tokens,
 //    MT tiles). One warp owns 16 rows (RT tiles of 16 with RT > 1: each x fragment it reads from shared
@@ -13,10 +14,10 @@
 //    and 16 of row r + 8 per chunk: 4 words, 32 (4-bit) or 16 (8-bit) consecutive k of each row.
 //  * Inside one mma step the k order is free as long as A and B agree, so each lane uses the k of
 //    its own words: the A fragment is decoded in registers with no shuffles, and x is stored in
-//    shared memory already in the matching order (4-bit: byte-permuted once per CTA), padded so
+//    shared memory already in the matching order (canonical 4-bit words: byte-permuted once per CTA), padded so
 //    the 16-byte reads are conflict-free. x for the CTA's K range is loaded once, or (XS, sm_90) streamed
 //    through a ring of XSTAGES chunks per K part: one warp of each part refills it with cp.async, full /
-//    empty mbarriers per slot, so the CTA may take any K range (4-bit units reordered as they are read).
+//    empty mbarriers per slot, so the CTA may take any K range (canonical 4-bit words: x reordered as read).
 //  * Scales: per row in the epilogue (tensor / channel), per chunk after the MMA in fp32 (groups
 //    that cover a whole chunk, e.g. int4 g128), or multiplied into the decoded values before it
 //    (smaller groups: NVFP4 16, MX 32; exact for e2m1/e4m3 x fp8/e8m0 scales in bf16).
@@ -241,10 +242,13 @@ __device__ __forceinline__ float scale_f32(const void* s, int i) {
 #endif
 }
 
-// 8 x values in the order the decoded pairs use them: 4-bit pairs are elements (p, p + 4), so the
-// unit becomes (x0,x4) (x1,x5) (x2,x6) (x3,x7); 8-bit pairs are (2p, 2p + 1), already in order.
+// 8 x values in the order the decoded pairs use them. Pair p of a word is nibbles (p, p + 4): for
+// canonical 4-bit words elements (p, p + 4), so the unit becomes (x0,x4) (x1,x5) (x2,x6) (x3,x7); tiled
+// 4-bit words hold their nibbles in pair order (quant_math.tile_words) and 8-bit pairs are bytes
+// (2p, 2p + 1): elements (2p, 2p + 1), x already in order.
+#define X_REORDER (BITS == 4 && !PACKED)
 __device__ __forceinline__ U4 x_unit_order(const U4 v) {
-#if BITS == 4
+#if X_REORDER
   return U4{{prmt(v.v[0], v.v[2], 0x5410u), prmt(v.v[0], v.v[2], 0x7632u), prmt(v.v[1], v.v[3], 0x5410u),
              prmt(v.v[1], v.v[3], 0x7632u)}};
 #else
@@ -252,8 +256,9 @@ __device__ __forceinline__ U4 x_unit_order(const U4 v) {
 #endif
 }
 
-// Decoded pair p of a word: h x 2 holding elements (p, p + 4) for 4-bit, (2p, 2p + 1) for 8-bit
-// (p = 0..1). `zz` is the pair to add (minus the code offset and zero point), `sc` the pre-scale.
+// Decoded pair p of a word: h x 2 holding nibbles (p, p + 4) for 4-bit (see x_unit_order), bytes
+// (2p, 2p + 1) for 8-bit (p = 0..1). `zz` is the pair to add (minus the code offset and zero point),
+// `sc` the pre-scale.
 template <int P>
 __device__ __forceinline__ u32 decode(u32 w, u32 zz, u32 sc, float zf, float sf) {
 #if FMT == FMT_INT4
@@ -733,13 +738,14 @@ WO_MMA_KERNEL {
   __syncthreads();
   x_transform(xstage, xbufs, M);
 #elif XS
-  // the first XSTAGES chunks of this part (natural order: 4-bit units are reordered as they are read)
+  // the first XSTAGES chunks of this part, x in its natural order (see x_unit_order)
   if (producer)
     for (int i = 0; i < XSTAGES && i < nsteps; i++) x_fill(xring + i * M * XRS, xfull + 8 * i, x, M, K, w0 + i);
   const u32 xlane = xring + X_SEG(q);
 #else
   // x[:, c0*KPC : c1*KPC] -> shared memory, in the order the MMA reads it (see X_SEG / X_ROW_MOD):
-  // lane q's 16-byte units of a chunk are contiguous, 4-bit units hold (x0,x4,x1,x5,x2,x6,x3,x7).
+  // lane q's 16-byte units of a chunk are contiguous, 4-bit units of canonical words hold
+  // (x0,x4,x1,x5,x2,x6,x3,x7).
   {
     const int upc = KPC / 8;
     const u32 base = smem_addr(xs);

@@ -241,19 +241,19 @@ def rt_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, max
 # x streamed (XS: a ring of XS_SLOTS chunks per K part, cp.async by one warp of each part, mbarriers) lets the
 # two-tile launch take a column's whole K range (no split, no reduction) at any M: the staged x slice no
 # longer has to fit. Taken on sm_90 for tiled weights at M = XS_MIN_M..16 where its first candidate fills at
-# least XS_MIN_FILL of the SMs, at one token tile or for 8-bit weights; 4-bit weights at two token tiles
-# only where the candidate fills XS_FULL_FILL of the SMs and each warp streams at least XS_MIN_CHUNKS
-# chunks (the per-chunk ring handshake and reordering 4-bit x as it is read cost more than the staging
-# there: NVFP4 lost at every shape). H100, same call, 7 shapes x 4 formats x M = 6, 8, 12, 16
-# (docs/kernels-wo.md, v17), us, default -> xs: 8192^2 int4 M = 8 16.3 -> 15.1, M = 16 18.9 -> 17.9, int8
-# M = 16 28.4 -> 26.1, MXFP8 29.2 -> 26.6; 16384x8192 NVFP4 M = 8 42.1 -> 31.3, MXFP8 56.4 -> 48.4;
-# 4096x14336 int8 M = 16 27.7 -> 24.6; 28672x8192 MXFP8 M = 8 91.2 -> 87.2; losses kept: MXFP8 at one token
-# tile on 14336x4096 and 4096^2 (+0.5-1.1); left out: NVFP4 at M = 12, 16 (+0.6 to +8.2), launches of 86
-# CTAs (11008x4096: MXFP8 +1.2-1.4), int4 at two token tiles on 14336x4096, 28672x8192 (+0.2, +3.9).
+# least XS_MIN_FILL of the SMs, at one token tile or for 8-bit weights; int4 at two token tiles only where
+# each warp streams at least XS_MIN_CHUNKS chunks (the per-chunk ring handshake costs more than the staging
+# below); e2m1 (NVFP4, MXFP4) at two token tiles stays staged (won or lost by < 1 us, its decode heavier).
+# H100, same call, 7 shapes x 4 formats x M = 6, 8, 12, 16 (docs/kernels-wo.md, v17), us, default -> xs:
+# 8192^2 int4 M = 8 16.3 -> 15.1, int8 M = 16 28.4 -> 26.1, MXFP8 29.2 -> 26.6; 16384x8192 NVFP4 M = 8
+# 42.1 -> 31.3, MXFP8 56.4 -> 48.4; 4096x14336 int8 M = 16 27.7 -> 24.6; 28672x8192 MXFP8 M = 8 91.2 -> 87.2;
+# losses kept: MXFP8 at one token tile on 14336x4096 and 4096^2 (+0.5-1.1); left out: launches of 86 CTAs
+# (11008x4096: MXFP8 +1.2-1.4). With 4-bit words in pair order (v18: no x reordering) int4 at two token
+# tiles: 8192^2 M = 16 18.3 -> 17.1 (staged -> streamed, the layout change included), 14336x4096 16.5 -> 15.7,
+# 28672x8192 M = 12 48.9 -> 49.3 (kept), 4096x14336 (64 CTAs) left out.
 XS_SLOTS = 3  # ring slots (chunks) per K part
 XS_MIN_M = 5
 XS_MIN_FILL = 0.8
-XS_FULL_FILL = 0.9
 XS_MIN_CHUNKS = 8
 
 
@@ -269,8 +269,7 @@ def xs_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
         return False
     if m <= 8 or bits == 8:
         return True
-    return (spec.dtype is QDtype.INT4 and cands[0][0] >= XS_FULL_FILL * sms
-            and k // KPC[bits] // cands[0][1] >= XS_MIN_CHUNKS)
+    return spec.dtype is QDtype.INT4 and k // KPC[bits] // cands[0][1] >= XS_MIN_CHUNKS
 
 
 def xs_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device) -> tuple | None:

@@ -337,7 +337,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
                                    case["weight_g_idx"], k, torch.float32)
         res[f"dequant-exact-{name}"] = bool(torch.equal(got, dequantized(case)))
         tiled = replace(spec_w, tiled=True)  # the same weight in wo_mma's order (quant_math.tile_words)
-        got = wg.dequantize_triton(qm.tile_words(w), s, tiled, case["weight_global_scale"],
+        got = wg.dequantize_triton(qm.tile_words(w, spec_w.dtype.bits), s, tiled, case["weight_global_scale"],
                                    case["weight_zero_point"], case["weight_g_idx"], k, torch.float32)
         res[f"dequant-exact-tiled-{name}"] = bool(torch.equal(got, dequantized(case)))
     # the GEMM kernel, several configurations, vs the fp64 reference
@@ -363,7 +363,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
         case = make_case(name, 48, 512, (5,), torch.bfloat16, seed=3)  # tiled weights (N % 16 == 0)
         ref = reference(case)
         for cname in ("dot", "dot-bk2-split2"):
-            out = wg.wo_gemm(case["x"], qm.tile_words(case["weight"]), case["weight_scale"],
+            out = wg.wo_gemm(case["x"], qm.tile_words(case["weight"], spec.dtype.bits), case["weight_scale"],
                              case["weight_global_scale"], case["weight_zero_point"], case["weight_g_idx"],
                              case["bias"], replace(spec, tiled=True), cfgs(lay.epw)[cname]).double()
             rms = ref.pow(2).mean().sqrt()
@@ -377,6 +377,57 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
         errs[f"op-triton-m{m}"] = [0.0, ((out - ref).norm() / ref.norm()).item()]
     print(json.dumps({"exact": res, "errors": errs}))
 """)
+
+
+
+def _compile_sm90(fn, ptrs: dict, ints: tuple, constexprs: dict, **options):
+    """Compile a Triton kernel for sm_90 without a GPU (ptxas included): the paths the interpreter
+    cannot take (inline PTX decode, tuple indexing by constexpr, Hopper lowering) are checked in CI."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: ptrs[n] if ptrs.get(n) else ("i32" if n in ints else "constexpr") for n in names}
+    cx = dict(constexprs, **{n: None for n, t in ptrs.items() if t is None})
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in cx.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _ptxas_available() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return bool(get_ptxas(90).path)
+    except Exception:  # noqa: BLE001 - no NVIDIA backend or no ptxas: the test cannot run here
+        return False
+
+
+@pytest.mark.skipif(not wg.HAS_TRITON or not _ptxas_available(), reason="triton's NVIDIA backend / ptxas missing")
+@pytest.mark.parametrize("tiled", [False, True], ids=["canonical", "tiled"])
+@pytest.mark.parametrize("name,m,x", [("int4_g128", 1, "bf16"), ("int4_g128", 16, "fp16"), ("int4_g128_zp", 16, "bf16"),
+                                      ("nvfp4", 1, "bf16"), ("mxfp4", 64, "bf16"), ("int8_channel_packed", 16, "bf16")])
+def test_triton_kernels_compile_for_sm90(name, m, x, tiled):
+    """The GEMM kernel with the launch configuration the op picks (PTX decode on) and the dequant
+    kernel compile for sm_90, canonical and tiled words."""
+    from qcompile.kernels import wo_gemm_triton as wt
+    spec = SPECS[name]
+    lay = wg.layout_of(spec)
+    cfg = wg.pick_config(m, 8192, 8192, lay, 132)
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    split = cfg.pop("SPLIT_K")
+    sk = "*fp32" if lay.scale_kind == wg.SK_FP32 else "*u8"
+    zp = "*i32" if spec.zero_point else None
+    gs = "*fp32" if spec.global_scale else None
+    ptrs = dict(x_ptr="*" + x, w_ptr="*i32", s_ptr=sk, z_ptr=zp, g_ptr=None, gs_ptr=gs, bias_ptr=None,
+                out_ptr="*fp32" if split > 1 else "*" + x)
+    common = dict(FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
+                  HAS_ZP=zp is not None, ACT_ORDER=False, TILED=tiled)
+    _compile_sm90(wt._wo_gemm_kernel, ptrs, ("M", "N", "K", "stride_wn", "stride_sn", "k_split_words"),
+                  dict(common, HAS_BIAS=False, PARTIAL=split > 1, PTX_DECODE=True, **cfg),
+                  num_warps=warps, num_stages=stages)
+    _compile_sm90(wt._dequant_kernel, dict(w_ptr="*i32", s_ptr=sk, z_ptr=zp, g_ptr=None, gs_ptr=gs, out_ptr="*bf16"),
+                  ("N", "K", "stride_wn", "stride_sn"), dict(common, BLOCK_N=32, BLOCK_K=16 * lay.epw))
 
 
 @pytest.mark.skipif(not wg.HAS_TRITON, reason="triton is not installed")

@@ -138,8 +138,8 @@ def test_tile_sharing_plan():
 
 def test_x_streamed_candidates_and_policy():
     """rt_candidates with x streamed: no split, the ring (not the K range) within RT_SMEM, most CTAs first; xs_default: tiled
-    weights on sm_90 at M = 5..16 where the first candidate fills 80% of the SMs, 4-bit weights at two token
-    tiles only where it fills 90% and each warp streams >= 8 chunks (the H100 A/B of v17)."""
+    weights on sm_90 at M = 5..16 where the first candidate fills 80% of the SMs; at two token tiles int4 only
+    where each warp streams >= 8 chunks, e2m1 not (the H100 A/Bs of v17, v18)."""
     assert wo_mma.rt_candidates(16, 8192, 8192, 4, 132, xs=True)[:2] == [(128, 8, 1), (64, 4, 1)]  # staged: 278 KB
     assert wo_mma.rt_candidates(16, 4096, 14336, 4, 132, xs=True)[0] == (64, 8, 1)  # kw 16: a 221 KB ring
     assert wo_mma.rt_candidates(16, 4096, 14336, 8, 132, xs=True)[0] == (128, 16, 1)
@@ -153,24 +153,34 @@ def test_x_streamed_candidates_and_policy():
 
     assert all(xs(name, m, 8192, 8192) for name in ("int4_g128", "int8_channel_packed", "mxfp8") for m in (5, 8, 16))
     assert xs("nvfp4", 8, 8192, 8192) and not xs("nvfp4", 9, 8192, 8192)  # 4-bit e2m1 at two token tiles
-    assert xs("int4_g128", 8, 14336, 4096) and not xs("int4_g128", 12, 14336, 4096)  # 112 CTAs, 8 chunks
+    assert xs("int4_g128", 8, 14336, 4096) and xs("int4_g128", 12, 14336, 4096)  # 112 CTAs, 8 chunks per warp
+    assert xs("int4_g128", 16, 28672, 8192) and not xs("int4_g128", 16, 4096, 14336)  # 112 CTAs; 64
     assert not xs("int4_g128", 12, 4096, 4096) and xs("int8_channel_packed", 12, 4096, 4096)  # 2 chunks per warp
     assert not xs("int8_channel_packed", 8, 11008, 4096)  # 86 CTAs
     assert not any((xs("int4_g128", 4, 8192, 8192), xs("int4_g128", 17, 8192, 8192),
                     xs("int4_g128", 8, 8192, 8192, (10, 0)), xs("int4_g128", 8, 8192, 8192, tiled=False)))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,w", [(16, 16), (48, 64), (4096, 512)])
-def test_tile_words_round_trip(n, w):
+def test_tile_words_round_trip(n, w, bits, monkeypatch):
+    monkeypatch.setattr(quant_math, "_PAIR_ROWS", 32)  # several steps of the nibble permutation
     words = torch.randint(-2**31, 2**31 - 1, (n, w), dtype=torch.int32)
-    packed = quant_math.tile_words(words)
-    assert packed.shape == words.shape and torch.equal(quant_math.untile_words(packed), words)
+    kept = words.clone()
+    packed = quant_math.tile_words(words, bits)
+    assert torch.equal(words, kept)  # (16 x 16: the word permutation is a view; the input stays)
+    assert packed.shape == words.shape and torch.equal(quant_math.untile_words(packed, bits), words)
+    assert torch.equal(words, kept)
     as_bytes = words.view(torch.uint8)  # the e2m1 / int8 layouts tile as their 4-byte words
-    assert torch.equal(quant_math.tile_words(as_bytes).view(torch.int32), packed)
+    assert torch.equal(quant_math.tile_words(as_bytes, bits).view(torch.int32), packed)
     # warp (tile t, chunk c), half h, lane l = 4r + q, word j <- row 16t + 8h + r, word 16c + 4q + j
     t, c, h, r, q, j = n // 16 - 1, w // 16 - 1, 1, 5, 3, 2
-    assert packed.view(-1)[((t * (w // 16) + c) * 2 + h) * 128 + (4 * r + q) * 4 + j] == \
-        words[16 * t + 8 * h + r, 16 * c + 4 * q + j]
+    got = packed.view(-1)[((t * (w // 16) + c) * 2 + h) * 128 + (4 * r + q) * 4 + j].item()
+    src = words[16 * t + 8 * h + r, 16 * c + 4 * q + j].item()
+    if bits == 8:
+        assert got == src
+    else:  # 4-bit element e at nibble e // 2 + 4 (e % 2): nibbles (p, p + 4) are elements (2p, 2p + 1)
+        assert [(got >> 4 * (e // 2 + 4 * (e % 2))) & 15 for e in range(8)] == [(src >> 4 * e) & 15 for e in range(8)]
 
 
 def _q(name, capability, act_dtype=torch.bfloat16):
@@ -393,7 +403,7 @@ def _wo_mma_case(name, m, n, k, dtype, seed):
 def _wo_mma_args(case, tiled):
     """wo_mma's positional arguments for ``case``: the weight's tiled words or its canonical ones."""
     sp = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=tiled)
-    w = quant_math.tile_words(case["weight"]) if tiled else case["weight"]
+    w = quant_math.tile_words(case["weight"], sp.dtype.bits) if tiled else case["weight"]
     return (case["x"], w, case["weight_scale"], case["weight_global_scale"], case["weight_zero_point"],
             case["bias"], sp)
 
@@ -545,7 +555,7 @@ def test_gpu_mma_default_launch_policy(monkeypatch):
     streamed = {}
     for m, n, k in ((8, 4096, 4096), (8, 14336, 4096), (12, 8192, 8192), (16, 4096, 4096)):
         case = _gpu_case("int4_g128", m, n, k, torch.bfloat16, seed=4)
-        out = wo_mma.wo_mma(case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"], None, None,
+        out = wo_mma.wo_mma(case["x"], quant_math.tile_words(case["weight"], 4), case["weight_scale"], None, None,
                             case["bias"], spec)
         _check(out, case, k, f"M={m} {n}x{k} xs")
         cfg, split = launched[-1][0], launched[-1][3]
@@ -557,7 +567,7 @@ def test_gpu_mma_default_launch_policy(monkeypatch):
     for m, n, k in ((1, 4096, 4096), (8, 4096, 4096), (1, 14336, 4096), (8, 14336, 4096), (16, 4096, 4096),
                     (12, 8192, 8192), (8, 28672, 4096)):
         case = _gpu_case("int4_g128", m, n, k, torch.bfloat16, seed=3)
-        out = wo_mma.wo_mma(case["x"], quant_math.tile_words(case["weight"]), case["weight_scale"], None, None,
+        out = wo_mma.wo_mma(case["x"], quant_math.tile_words(case["weight"], 4), case["weight_scale"], None, None,
                             case["bias"], spec)
         _check(out, case, k, f"M={m} {n}x{k}")
         cfg, split = launched[-1][0], launched[-1][3]
@@ -587,7 +597,7 @@ def test_gpu_act_order_sorted_runs_wo_mma():
         case = _gpu_case("int4_g32_actorder", m, n, k, torch.bfloat16, seed=30 + i)
         srt = sorted_case(case)
         spec = wg.parse_scheme_key(srt["scheme"]).weight
-        tiled = dict(srt, weight=quant_math.tile_words(srt["weight"]),
+        tiled = dict(srt, weight=quant_math.tile_words(srt["weight"], spec.dtype.bits),
                      scheme=QuantScheme(replace(spec, tiled=True)).key)
         assert wo_mma.mma_reason(replace(spec, k_sorted=False), n, k) is None
         _check(torch.ops.qcompile.wo_linear(*op_args(tiled, "mma")), case, k, f"act-order sorted M={m}")
@@ -714,7 +724,7 @@ def test_gpu_mma_pdl_chain(name, m, max_cluster, trig):
     n = k = 4096
     case = _gpu_case(name, m, n, k, torch.bfloat16, seed=11)
     spec = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
-    w = quant_math.tile_words(case["weight"])
+    w = quant_math.tile_words(case["weight"], spec.dtype.bits)
 
     def chain(pdl):
         x = case["x"]
