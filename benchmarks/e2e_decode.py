@@ -5,7 +5,9 @@ shared/GPU.md recommends (HF generate + reduce-overhead breaks in transformers 5
     python benchmarks/e2e_decode.py --out e2e.json            # H100: hidden 4096, inter 14336, 2 layers
     python benchmarks/e2e_decode.py --tiny --device cpu       # smoke test anywhere
 
-Reports decode tokens/s, weight memory, and compiled-vs-eager logits error of the quantized model.
+Reports decode tokens/s (median of ``--reps`` rounds of ``--tokens`` tokens, the models' rounds
+interleaved so that a slow spell of the host or GPU hits every model alike), weight memory, and
+compiled-vs-eager logits error of the quantized model.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ def weight_bytes(model) -> int:
     return total
 
 
-def decode(model, compile_fn, device, prompt_len: int, n_tokens: int, reps: int):
+def decoder(model, compile_fn, device, prompt_len: int, n_tokens: int, reps: int):
+    """Prefill, compile and warm one decode step (StaticCache, batch 1); returns ``run()``: the seconds
+    that ``n_tokens`` more greedy tokens take."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=prompt_len + n_tokens * (reps + 2) + 8)
@@ -43,11 +47,11 @@ def decode(model, compile_fn, device, prompt_len: int, n_tokens: int, reps: int)
         return model(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True).logits
 
     compiled = compile_fn(step)
-    tok = logits[:, -1:].argmax(-1)
-    pos = prompt_len
-    times = []
-    with torch.no_grad():
-        for rep in range(reps + 1):
+    state = {"tok": logits[:, -1:].argmax(-1), "pos": prompt_len}
+
+    def run() -> float:
+        tok, pos = state["tok"], state["pos"]
+        with torch.no_grad():
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -57,12 +61,15 @@ def decode(model, compile_fn, device, prompt_len: int, n_tokens: int, reps: int)
                 pos += 1
             if device == "cuda":
                 torch.cuda.synchronize()
-            if rep:  # the first rep compiles and warms up
-                times.append(time.perf_counter() - t0)
-    return n_tokens / statistics.median(times)
+        state.update(tok=tok, pos=pos)
+        return time.perf_counter() - t0
+
+    run()  # compiles and warms up
+    return run
 
 
-def measure(model, probe, args, cuda) -> dict:
+def measure(model, probe, args, cuda) -> tuple[dict, object]:
+    """Logits errors and weight memory of a qcompile model, and its decoder (qcompile's CUDA graphs)."""
     import qcompile
     from qcompile.linear import dequantize_model
 
@@ -71,13 +78,12 @@ def measure(model, probe, args, cuda) -> dict:
         eager = model(probe).logits.float()
         comp = torch.compile(model, backend=qcompile.backend())(probe).logits.float()
         ref = dequantize_model(copy.deepcopy(model))(probe).logits.float()
-    torch._dynamo.reset()
-    tps = decode(model, lambda f: torch.compile(f, backend=be), args.device, args.prompt, args.tokens, args.reps)
+    run = decoder(model, lambda f: torch.compile(f, backend=be), args.device, args.prompt, args.tokens, args.reps)
     print("\n".join(be.explain().splitlines()[:3]))
-    return {"tok_s": tps, "weight_MiB": weight_bytes(model) / 2**20,
+    return {"weight_MiB": weight_bytes(model) / 2**20,
             "compiled_vs_eager_rel_err": ((comp - eager).norm() / eager.norm()).item(),
             "compiled_vs_dequantized_bf16_rel_err": ((comp - ref).norm() / ref.norm()).item(),
-            "kernels": sorted({r.kernel for r in be.rows})}
+            "kernels": sorted({r.kernel for r in be.rows})}, run
 
 
 def main(argv=None):
@@ -92,7 +98,7 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5, help="timed rounds per model (interleaved; median)")
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="the 256-wide test model (smoke test)")
@@ -118,27 +124,34 @@ def main(argv=None):
     bf16_rel = ((c - e).norm() / e.norm()).item()
     torch._dynamo.reset()
     mode = "reduce-overhead" if cuda else None
-    tps = decode(bf16, lambda f: torch.compile(f, mode=mode), args.device, args.prompt, args.tokens, args.reps)
-    results["bf16 torch.compile" + (" reduce-overhead" if cuda else "")] = {
-        "tok_s": tps, "weight_MiB": weight_bytes(bf16) / 2**20, "compiled_vs_eager_rel_err": bf16_rel}
-    del bf16
-    if cuda:
-        torch.cuda.empty_cache()
+    runs, models = {}, []
+    name = "bf16 torch.compile" + (" reduce-overhead" if cuda else "")
+    results[name] = {"weight_MiB": weight_bytes(bf16) / 2**20, "compiled_vs_eager_rel_err": bf16_rel}
+    runs[name] = decoder(bf16, lambda f: torch.compile(f, mode=mode), args.device, args.prompt, args.tokens, args.reps)
+    models.append(bf16)
 
     for fmt in args.formats.split(","):
         t0 = time.perf_counter()
         synth.write_checkpoint(f"{root}/{fmt}", fmt, config=cfg)
         print(f"wrote {fmt} in {time.perf_counter() - t0:.0f} s", flush=True)
-        results[f"{fmt} qcompile" + (" cudagraphs" if cuda else "")] = measure(
-            qcompile.load(f"{root}/{fmt}", device=args.device).eval(), probe, args, cuda)
-        torch._dynamo.reset()
-        if cuda:
-            torch.cuda.empty_cache()
+        model = qcompile.load(f"{root}/{fmt}", device=args.device).eval()
+        name = f"{fmt} qcompile" + (" cudagraphs" if cuda else "")
+        results[name], runs[name] = measure(model, probe, args, cuda)
+        models.append(model)
+    # the models' rounds interleaved, so that a slow spell of the host or the GPU hits all of them alike
+    times = {name: [] for name in runs}
+    for _ in range(args.reps):
+        for name, run in runs.items():
+            times[name].append(run())
+    for name, ts in times.items():
+        results[name]["tok_s"] = args.tokens / statistics.median(ts)
+        results[name]["tok_s_rounds"] = [round(args.tokens / t) for t in ts]
     print(json.dumps(results, indent=2))
-    print("\n| model | decode tok/s | ms/token | weight MiB | compiled vs eager logits |\n| --- | --- | --- | --- | --- |")
+    print("\n| model | decode tok/s (median) | rounds | ms/token | weight MiB | compiled vs eager logits |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     for k, v in results.items():
-        print(f"| {k} | {v['tok_s']:.0f} | {1e3 / v['tok_s']:.3f} | {v['weight_MiB']:.0f} | "
-              f"{v['compiled_vs_eager_rel_err']:.3f} |")
+        print(f"| {k} | {v['tok_s']:.0f} | {' / '.join(map(str, v['tok_s_rounds']))} | {1e3 / v['tok_s']:.3f} | "
+              f"{v['weight_MiB']:.0f} | {v['compiled_vs_eager_rel_err']:.3f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": cfg.to_dict(), "results": results}, f, indent=2, default=str)
