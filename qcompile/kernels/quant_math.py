@@ -110,8 +110,11 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 _PAIR_ROWS = 2048  # rows per step of the in-place nibble permutation (bounds its temporaries)
 
 
-def _permute_nibbles(words: torch.Tensor, to_pairs: bool) -> None:
-    """Canonical 4-bit words <-> pair order (see above), in place, on int32 [N, W]."""
+def _permute_nibbles(words: torch.Tensor, source: torch.Tensor, to_pairs: bool) -> torch.Tensor:
+    """Canonical 4-bit words <-> pair order (see above) of int32 [N, W] ``words``: in place, unless they are
+    still a view of the caller's ``source`` (a permutation that moved nothing), then on a copy."""
+    if words.data_ptr() == source.data_ptr():
+        words = words.clone()
     b = words.view(torch.uint8).view(words.shape[0], -1, 4)
     for r in range(0, b.shape[0], _PAIR_ROWS):
         part = b[r:r + _PAIR_ROWS]
@@ -126,6 +129,7 @@ def _permute_nibbles(words: torch.Tensor, to_pairs: bool) -> None:
             part[..., 1] = hi[..., 0] | (hi[..., 2] << 4)
             part[..., 2] = lo[..., 1] | (lo[..., 3] << 4)
             part[..., 3] = hi[..., 1] | (hi[..., 3] << 4)
+    return words
 
 
 def untile_words(weight: torch.Tensor, bits: int) -> torch.Tensor:
@@ -134,8 +138,7 @@ def untile_words(weight: torch.Tensor, bits: int) -> torch.Tensor:
     n, w = words.shape
     words = words.view(n // 16, w // 16, 2, 8, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(n, w)
     if bits == 4:
-        words = words.clone() if words.data_ptr() == weight.data_ptr() else words
-        _permute_nibbles(words, to_pairs=False)
+        words = _permute_nibbles(words, weight, to_pairs=False)
     return words.view(weight.dtype)
 
 
@@ -149,8 +152,7 @@ def tile_words(weight: torch.Tensor, bits: int) -> torch.Tensor:
     n, w = words.shape
     words = words.view(n // 16, 2, 8, w // 16, 4, 4).permute(0, 3, 1, 2, 4, 5).reshape(n, w)
     if bits == 4:
-        words = words.clone() if words.data_ptr() == weight.data_ptr() else words
-        _permute_nibbles(words, to_pairs=True)
+        words = _permute_nibbles(words, weight, to_pairs=True)
     return words.view(weight.dtype)
 
 
