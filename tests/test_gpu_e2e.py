@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import qcompile
+from qcompile.kernels import wo_mma
 from qcompile.kernels.registry import cuda_capability
 from qcompile.linear import QuantLinear, dequantize_model
 
@@ -60,16 +61,23 @@ def test_fp8_checkpoint_on_gpu(source, synth_ckpt, testdata):
 @pytest.mark.parametrize("source", ["synth:ct-w4a16", "synth:ct-w4a16-asym", "synth:ct-w8a16", "synth:modelopt-w4a16-nvfp4",
                                     "synth:modelopt-nvfp4", "synth:quark-mxfp4", "synth:modelopt-mixed", "synth:modelopt-mxfp8",
                                     "data:llmcompressor-w4a16-gptq-dense", "data:modelopt-nvfp4-dense"])
-def test_weight_only_checkpoint_on_gpu(source, synth_ckpt, testdata):
+@pytest.mark.parametrize("tokens", [12, 200])
+def test_weight_only_checkpoint_on_gpu(source, tokens, synth_ckpt, testdata, monkeypatch):
+    """12 tokens run the one-launch builds; 200 on sm_90 the row blocks of wo_mma (128 + 72 rows)."""
+    blocked = []
+    real = wo_mma.wo_mma_blocked
+    monkeypatch.setattr(wo_mma, "wo_mma_blocked", lambda *a: blocked.append(a[-1]) or real(*a))
     kind, name = source.split(":")
     model = qcompile.load(str(synth_ckpt(name) if kind == "synth" else testdata / name), device="cuda")
-    ids = IDS.cuda()
+    ids = IDS if tokens == IDS.shape[1] else torch.randint(0, 300, (1, tokens), generator=torch.Generator().manual_seed(0))
+    ids = ids.cuda()
     torch._dynamo.reset()
     be = qcompile.backend()
     with torch.no_grad():
         compiled = torch.compile(model, backend=be)(ids).logits
         ref = dequantize_model(copy.deepcopy(model))(ids).logits
     kernels = {r.kernel for r in be.rows}
+    assert bool(blocked) == (tokens > 128 and "wo_mma" in kernels and cuda_capability("cuda") == (9, 0)), blocked
     assert kernels & {"wo_mma", "wo_triton"} and kernels <= {"wo_mma", "wo_triton", "fp8_scaled_mm"}, be.explain()
     # layers the registry gives wo_mma were tiled into its streaming order at load, the others not
     mma_rows = {r.module for r in be.rows if r.kernel == "wo_mma"}

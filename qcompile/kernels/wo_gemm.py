@@ -317,11 +317,16 @@ def _triton(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
 
 def _mma(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
     """The CUDA C++ kernel (wo_mma.cu) for bf16 / fp16 x with M <= wo_mma.max_m (32; on sm_90 128, 96 for
-    int4 weights not tiled); everything else as ``triton`` (or ``dequant`` where Triton cannot run it)."""
+    int4 weights not tiled), on sm_90 up to wo_mma.BLOCKED_MAX_M as row blocks (wo_mma.row_blocks);
+    everything else as ``triton`` (or ``dequant`` where Triton cannot run it)."""
     n, k = weight.shape[0], x2.shape[1]
-    if (x2.is_cuda and x2.shape[0] <= wo_mma.max_m(spec, wo_mma.capability(x2.device))
-            and wo_mma.mma_reason(spec, n, k, x2.dtype, None if zp is None else zp.dtype) is None):
-        return wo_mma.wo_mma(x2, weight, scale, gs, zp, bias, spec)
+    if x2.is_cuda and wo_mma.mma_reason(spec, n, k, x2.dtype, None if zp is None else zp.dtype) is None:
+        cap = wo_mma.capability(x2.device)
+        if x2.shape[0] <= wo_mma.max_m(spec, cap):
+            return wo_mma.wo_mma(x2, weight, scale, gs, zp, bias, spec)
+        blocks = wo_mma.row_blocks(spec, x2.shape[0], cap)
+        if blocks:
+            return wo_mma.wo_mma_blocked(x2, weight, scale, gs, zp, bias, spec, blocks)
     if use_triton(x2) and triton_shape_reason(spec, n, k) is None:
         return _triton(x2, weight, scale, gs, zp, g_idx, bias, spec)
     return _dequant(x2, weight, scale, gs, zp, g_idx, bias, spec)
@@ -380,8 +385,8 @@ def check_dequant(q: KernelQuery) -> str | None:
 
 WO_MMA = register(Kernel(
     name="wo_mma", op=OP, backend="mma", priority=30, check=check_mma,
-    description="CUDA C++ (NVRTC) tensor-core weight-only GEMM for M <= 32 (sm_90: 128, int4 96), "
-                "else as wo_triton",
+    description="CUDA C++ (NVRTC) tensor-core weight-only GEMM for M <= 32 (sm_90: 128, int4 96; up to 512 "
+                "int4 / 384 as launches of 128 rows), else as wo_triton",
 ))
 WO_TRITON = register(Kernel(
     name="wo_triton", op=OP, backend="triton", priority=28, check=check_triton, requires=("triton",),

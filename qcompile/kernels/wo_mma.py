@@ -313,6 +313,37 @@ def max_m(spec: WeightSpec, capability: tuple[int, int]) -> int:
     return SM90_MAX_M_INT4 if spec.dtype is QDtype.INT4 and not spec.tiled else WGMMA_MAX_M
 
 
+# Up to this M (by weight type) the mma backend runs M above max_m on sm_90 as row blocks of max_m rows, one
+# wgmma launch each (:func:`row_blocks`), before dequantize + F.linear takes over. H100, µs, blocks against the
+# dequant fallback (docs/kernels-wo.md, v19): 3 blocks (M = 384) won for every format at 8192^2 (int4 111 vs
+# 134, NVFP4 128 vs 141, MXFP4 122 vs 133, int8 122 vs 142, MXFP8 138 vs 144); 4 blocks (M = 512) only for int4
+# (149 vs 155; 28672x8192 467 vs 575), the others lost by 6-21 µs.
+BLOCKED_MAX_M = {QDtype.INT4: 512, QDtype.FP4_E2M1: 384, QDtype.INT8: 384, QDtype.FP8_E4M3: 384}
+
+
+def row_blocks(spec: WeightSpec, m: int, capability: tuple[int, int]) -> list[int] | None:
+    """Row counts of the launches that run ``m`` rows above :func:`max_m` (sm_90, up to
+    :data:`BLOCKED_MAX_M`): max_m rows each, the rest last (a launch's time grows slower than its rows: at
+    8192^2 int4 M = 136 as 128 + 8 rows 52.5 µs, as 72 + 64 55.3; MXFP8 61 vs 114); None where one launch
+    takes ``m`` or the dequant fallback should."""
+    top = max_m(spec, capability)
+    if m <= top or capability[0] != 9 or m > BLOCKED_MAX_M[spec.dtype]:
+        return None
+    return [top] * (m // top) + ([m % top] if m % top else [])
+
+
+def wo_mma_blocked(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec: WeightSpec,
+                   blocks: list[int]) -> torch.Tensor:
+    """:func:`wo_mma` over consecutive row blocks of x2 (``blocks``: their row counts, :func:`row_blocks`),
+    each launch writing its rows of one [M, N] output."""
+    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=x2.dtype, device=x2.device)
+    r0 = 0
+    for rows in blocks:
+        wo_mma(x2[r0:r0 + rows], weight, scale, global_scale, zero_point, bias, spec, out=out[r0:r0 + rows])
+        r0 += rows
+    return out
+
+
 def default_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, split: int | None,
                    warps_per_sm: int, smem_budget: int, max_cluster: int, rt: bool = False) -> tuple:
     """:func:`launch_plan` of the mma.sync build on tiled weights with the launch left to ``wo_mma``
@@ -828,7 +859,8 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
            warps_per_sm: int | None = None, smem_budget: int = SMEM_BUDGET,
            max_cluster: int = MAX_CLUSTER, pdl: bool | None = None, wgmma: bool | None = None,
            xstages: int | None = None, minb: int = 1, ws: bool | None = None, nstg: int = 8,
-           trig: bool | None = None, kw: int | None = None, rt: int = 1, xs: bool | None = None) -> torch.Tensor:
+           trig: bool | None = None, kw: int | None = None, rt: int = 1, xs: bool | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [M, K] contiguous bf16 or fp16 (M <= :func:`max_m`) -> [M, N] of x2's dtype. Checks are the caller's
     (:func:`mma_reason`); the tensors are the op's canonical ones, the weight tiled when
     ``spec.tiled`` (quant_math.tile_words). Launch defaults: :data:`LAUNCH` (8 warps per CTA), or
@@ -841,7 +873,8 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     :func:`ws_launch`; x rearranged first by its ``x_prep`` kernel). ``trig``: with PDL, let the next
     kernel launch from this one's start (default: :func:`trig_default`). ``kw``: mma.sync build, warps
     sharing each 16-row tile (default 1; for tiled weights with the launch left to it,
-    :func:`default_launch` decides). ``rt``: mma.sync build, 16-row tiles per warp (or per ``kw`` warps)."""
+    :func:`default_launch` decides). ``rt``: mma.sync build, 16-row tiles per warp (or per ``kw`` warps).
+    ``out``: a contiguous [M, N] tensor of x2's dtype to write (a row block of a larger output)."""
     packed = spec.tiled
     if pdl is None:
         pdl = _pdl_default(x2.device)
@@ -907,7 +940,11 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     ss = 0 if gran is Granularity.TENSOR else (1 if gran is Granularity.CHANNEL else s.shape[-1])
     if x2.data_ptr() % 16:
         x2 = x2.clone()
-    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    elif out.shape != (m, n) or out.dtype != x2.dtype or not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError(f"wo_mma: out must be a contiguous, 16-byte aligned {x2.dtype} [{m}, {n}] tensor, have "
+                         f"{out.dtype} {list(out.shape)}")
     global_split = nsplit > 1 and cfg.cluster == 1
     part = torch.empty((nsplit, m, n), dtype=torch.float32, device=x2.device) if global_split else out
     counters = _counters(x2.device, cols) if global_split else out

@@ -273,6 +273,26 @@ def test_wgmma_selection_and_shared_memory():
     assert wo_mma._smem(64, 32, replace(cfg, cluster=2)) == wo_mma._smem(64, 32, cfg)  # partials fit the rings
 
 
+
+def test_row_blocks():
+    # above max_m on sm_90 (128 rows; 96 for int4 weights not tiled): blocks of max_m rows, the rest last;
+    # none elsewhere, nor above BLOCKED_MAX_M (int4 512, the others 384)
+    tiled = replace(SPECS["int4_g128"], tiled=True)
+    blocks = {m: wo_mma.row_blocks(tiled, m, (9, 0)) for m in (128, 129, 200, 256, 257, 300, 512, 513)}
+    assert blocks == {128: None, 129: [128, 1], 200: [128, 72], 256: [128, 128], 257: [128, 128, 1],
+                      300: [128, 128, 44], 512: [128] * 4, 513: None}
+    assert wo_mma.row_blocks(SPECS["int4_g128"], 200, (9, 0)) == [96, 96, 8]
+    assert wo_mma.row_blocks(replace(SPECS["nvfp4"], tiled=True), 385, (9, 0)) is None
+    for name in MMA_NAMES:
+        spec = replace(SPECS[name], tiled=True)
+        top, limit = wo_mma.max_m(spec, (9, 0)), wo_mma.BLOCKED_MAX_M[spec.dtype]
+        for m in range(top + 1, limit + 1, 7):
+            b = wo_mma.row_blocks(spec, m, (9, 0))
+            assert sum(b) == m and b[:-1] == [top] * (len(b) - 1) and len(b) == -(-m // top), (name, m, b)
+        assert wo_mma.row_blocks(spec, limit + 1, (9, 0)) is None
+        assert not any(wo_mma.row_blocks(spec, 200, cap) for cap in ((8, 0), (10, 0), (12, 0)))
+
+
 NVRTC = os.environ.get("QCOMPILE_NVRTC")
 
 
@@ -442,6 +462,24 @@ def test_gpu_ws_matches_reference(name, n, k):
     _tiled_build_matches(name, n, k, WS_MS, dict(ws=True),
                          (dict(split=3, max_cluster=1, nstg=2), dict(split=4, warps=4, nstg=6, xstages=2),
                           dict(split=1, warps=16, nstg=3)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (M above 128 as wgmma row blocks)")
+@pytest.mark.parametrize("n,k", ((4096, 4096), (4112, 4224)), ids=str)
+@pytest.mark.parametrize("name", MMA_NAMES)
+def test_gpu_mma_row_blocks(name, n, k):
+    """M above 128 through the op's mma backend on tiled weights: row blocks (wo_mma.row_blocks; the last one
+    a single row at M = 129, not a whole token tile at 300) written into one output, against the reference, with bias
+    where the case has one; the output poisoned first by a call of another M so that every row is written."""
+    for i, m in enumerate((129, 200, 300)):
+        case = _wo_mma_case(name, m, n, k, torch.bfloat16, i)
+        x, w, s, gs, zp, bias, sp = _wo_mma_args(case, True)
+        assert wo_mma.row_blocks(sp, m, (9, 0)), (name, m)
+        torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # in the allocator's cache
+        out = wg._mma(x, w, s, gs, zp, None, bias, sp)
+        _check(out, case, k, f"{name} M={m} row blocks")
+        assert torch.equal(out, wg._mma(x, w, s, gs, zp, None, bias, sp)), f"{name} M={m} not deterministic"
 
 
 @pytest.mark.gpu

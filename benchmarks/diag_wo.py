@@ -1,0 +1,149 @@
+"""Diagnostics for qcompile::wo_linear on the H100 (docs/kernels-wo.md, v19), one section per flag:
+
+    python benchmarks/diag_wo.py --blocks          # M above 128 as row blocks vs dequant + F.linear vs bf16
+    python benchmarks/diag_wo.py --op-vs-direct    # M = 16: the op against a direct wo_mma call, weight data
+    python benchmarks/diag_wo.py --ws-sweep        # M = 64: warp-specialized launch variants, x_prep's cost (first shape)
+
+µs per call as in bench_wo_linear (CUDA-graph replays, rotating weight copies), every cell twice (rounds
+interleaved) where the flag says so; JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_wo_linear import FORMATS, copies_for, op_fn, random_weights, timed, weight_bytes  # noqa: E402
+
+from qcompile.kernels import quant_math, wo_mma  # noqa: E402
+
+
+def tiled_copies(spec, n, k, g, normal=False):
+    """Weight copies (>= 200 MB together) tiled as a GPU load tiles them, with the tiled spec. ``normal``:
+    int4 codes drawn around the middle (a quantized normal weight) instead of uniform random bytes."""
+    one = random_weights(spec, n, k, g)
+    qs = [one] + [random_weights(spec, n, k, g) for _ in range(copies_for(weight_bytes(one)) - 1)]
+    for q in qs:
+        if normal:
+            codes = (torch.randn(n, k, device="cuda", generator=g) * 2.5 + 8).round().clamp(0, 15).to(torch.int32)
+            codes = codes.view(n, k // 8, 8) << (4 * torch.arange(8, device="cuda", dtype=torch.int32))
+            q["weight"] = codes.sum(-1, dtype=torch.int32)
+        q["weight"] = quant_math.tile_words(q["weight"], spec.dtype.bits)
+    return qs, replace(spec, tiled=True)
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return round(((a - b).norm() / b.norm()).item(), 6)
+
+
+def blocks(args, g, res):
+    wo_mma.BLOCKED_MAX_M = dict.fromkeys(wo_mma.BLOCKED_MAX_M, 1 << 20)  # every M as blocks, for the crossover
+    for shape in args.shapes:
+        n, k = map(int, shape.split("x"))
+        xs = {m: torch.randn(m, k, device="cuda", generator=g).bfloat16() for m in args.m}
+        wb = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(copies_for(2 * n * k))]
+        res[f"{shape} bf16"] = {m: timed([lambda w=w, x=xs[m]: F.linear(x, w) for w in wb], 20, 25, m)
+                                for m in args.m}
+        print(shape, "bf16", res[f"{shape} bf16"], flush=True)
+        del wb
+        for name in args.formats if shape == args.shapes[0] else args.formats[:2]:
+            qs, sp = tiled_copies(FORMATS[name], n, k, g)
+            x = xs[256] if 256 in xs else xs[args.m[0]]
+            res[f"{shape} {name} blocks vs dequant"] = rel(op_fn(x, qs[0], sp, "mma")(), op_fn(x, qs[0], sp, "dequant")())
+            for be in ("mma", "dequant"):
+                res[f"{shape} {name} {be}"] = {m: timed([op_fn(xs[m], q, sp, be) for q in qs], 20, 25, m)
+                                               for m in args.m}
+                print(shape, name, be, res[f"{shape} {name} {be}"], flush=True)
+            print(shape, name, "blocks vs dequant", res[f"{shape} {name} blocks vs dequant"], flush=True)
+            del qs
+
+
+def op_vs_direct(args, g, res):
+    n = k = 8192
+    spec = FORMATS["int4 g128"]
+    for normal in (False, True):
+        qs, sp = tiled_copies(spec, n, k, g, normal)
+        for m in (1, 8, 16):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            direct = [lambda q=q: wo_mma.wo_mma(x, q["weight"], q["weight_scale"], None, None, None, sp) for q in qs]
+            op = [op_fn(x, q, sp, "mma") for q in qs]
+            assert torch.equal(direct[0](), op[0]())
+            for r in range(2):
+                for what, fns in (("op", op), ("direct", direct), ("direct 4 copies", direct[:4])):
+                    key = f"M={m} {'normal' if normal else 'uniform'} codes, {what}"
+                    res.setdefault(key, []).append(timed(fns, 20, 25, m))
+            for key in [k_ for k_ in res if k_.startswith(f"M={m} {'normal' if normal else 'uniform'}")]:
+                print(key, res[key], flush=True)
+        del qs
+
+
+WS_VARIANTS = [dict(), dict(ws=True)] + [dict(ws=True, **v) for v in (
+    dict(nstg=4), dict(nstg=12), dict(nstg=16), dict(xstages=2), dict(xstages=3), dict(xstages=6),
+    dict(split=1), dict(split=3), dict(split=4),
+    dict(warps=4, warps_per_sm=12, minb=3), dict(warps=8, warps_per_sm=8), dict(warps=8, warps_per_sm=16, minb=2),
+    dict(warps=16, warps_per_sm=16), dict(trig=False))]
+
+
+def ws_sweep(args, g, res):
+    real_launch = wo_mma._launch
+    for shape in args.shapes[:1]:
+        n, k = map(int, shape.split("x"))
+        for name in ("int4 g128", "nvfp4"):
+            qs, sp = tiled_copies(FORMATS[name], n, k, g)
+            for m in args.ws_m:
+                x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+                ref = op_fn(x, qs[0], sp, "dequant")()
+                for v in WS_VARIANTS + [dict(ws=True, skip_x_prep=True)]:
+                    v = dict(v)
+                    skip = v.pop("skip_x_prep", False)
+                    fns = [lambda q=q: wo_mma.wo_mma(x, q["weight"], q["weight_scale"], q["weight_global_scale"],
+                                                     None, None, sp, **v) for q in qs]
+                    key = f"{shape} {name} M={m} {v}{' x_prep skipped' if skip else ''}"
+                    try:
+                        err = rel(fns[0](), ref)
+                        if skip:  # timing only: x_prep's output buffer is left as the first call wrote it
+                            wo_mma._launch = lambda kern, grid, block, smem, *a: (
+                                None if block == (256, 1, 1) and smem == 0 else real_launch(kern, grid, block, smem, *a))
+                        res[key] = {"us": [timed(fns, 20, 25, m) for _ in range(2)], "rel": err}
+                    except Exception as e:  # noqa: BLE001
+                        res[key] = f"fails: {type(e).__name__}: {str(e).splitlines()[0][:150]}"
+                    finally:
+                        wo_mma._launch = real_launch
+                    print(key, res[key], flush=True)
+            del qs
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", action="store_true")
+    p.add_argument("--op-vs-direct", action="store_true")
+    p.add_argument("--ws-sweep", action="store_true")
+    p.add_argument("--shapes", nargs="+", default=["8192x8192", "28672x8192"])
+    p.add_argument("--m", type=int, nargs="+", default=[128, 136, 192, 256, 384, 512, 768, 1024])
+    p.add_argument("--ws-m", type=int, nargs="+", default=[64])
+    p.add_argument("--formats", nargs="+", default=list(FORMATS))
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    res, t0 = {"device": torch.cuda.get_device_name()}, time.time()
+    for flag, fn in ((args.blocks, blocks), (args.op_vs_direct, op_vs_direct), (args.ws_sweep, ws_sweep)):
+        if flag:
+            fn(args, g, res)
+            res["seconds"] = round(time.time() - t0, 1)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
