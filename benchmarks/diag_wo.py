@@ -2,7 +2,7 @@
 
     python benchmarks/diag_wo.py --blocks          # M above 128 as row blocks vs dequant + F.linear vs bf16
     python benchmarks/diag_wo.py --op-vs-direct    # M = 16: the op against a direct wo_mma call, weight data
-    python benchmarks/diag_wo.py --ws-sweep        # M = 64: warp-specialized launch variants, x_prep's cost (first shape)
+    python benchmarks/diag_wo.py --ws-sweep        # M = 64: warp-specialized launch variants, x_prep's cost
 
 µs per call as in bench_wo_linear (CUDA-graph replays, rotating weight copies), every cell twice (rounds
 interleaved) where the flag says so; JSON to --out.
@@ -95,14 +95,15 @@ WS_VARIANTS = [dict(), dict(ws=True)] + [dict(ws=True, **v) for v in (
 
 def ws_sweep(args, g, res):
     real_launch = wo_mma._launch
-    for shape in args.shapes[:1]:
+    variants = json.loads(args.ws_variants) if args.ws_variants else WS_VARIANTS + [dict(ws=True, skip_x_prep=True)]
+    for shape in args.shapes:
         n, k = map(int, shape.split("x"))
-        for name in ("int4 g128", "nvfp4"):
+        for name in args.ws_formats:
             qs, sp = tiled_copies(FORMATS[name], n, k, g)
             for m in args.ws_m:
                 x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
                 ref = op_fn(x, qs[0], sp, "dequant")()
-                for v in WS_VARIANTS + [dict(ws=True, skip_x_prep=True)]:
+                for v in variants:
                     v = dict(v)
                     skip = v.pop("skip_x_prep", False)
                     fns = [lambda q=q: wo_mma.wo_mma(x, q["weight"], q["weight_scale"], q["weight_global_scale"],
@@ -130,6 +131,8 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["8192x8192", "28672x8192"])
     p.add_argument("--m", type=int, nargs="+", default=[128, 136, 192, 256, 384, 512, 768, 1024])
     p.add_argument("--ws-m", type=int, nargs="+", default=[64])
+    p.add_argument("--ws-formats", nargs="+", default=["int4 g128", "nvfp4"])
+    p.add_argument("--ws-variants", default=None, help="JSON list of wo_mma keyword dicts (default WS_VARIANTS)")
     p.add_argument("--formats", nargs="+", default=list(FORMATS))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
