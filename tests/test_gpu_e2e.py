@@ -69,8 +69,8 @@ def test_weight_only_checkpoint_on_gpu(source, tokens, synth_ckpt, testdata, mon
     monkeypatch.setattr(wo_mma, "wo_mma_blocked", lambda *a: blocked.append(a[-1]) or real(*a))
     kind, name = source.split(":")
     model = qcompile.load(str(synth_ckpt(name) if kind == "synth" else testdata / name), device="cuda")
-    ids = IDS if tokens == IDS.shape[1] else torch.randint(0, 300, (1, tokens), generator=torch.Generator().manual_seed(0))
-    ids = ids.cuda()
+    gen = torch.Generator().manual_seed(0)
+    ids = (IDS if tokens == IDS.shape[1] else torch.randint(0, 300, (1, tokens), generator=gen)).cuda()
     torch._dynamo.reset()
     be = qcompile.backend()
     with torch.no_grad():

@@ -323,8 +323,8 @@ BLOCKED_MAX_M = {QDtype.INT4: 512, QDtype.FP4_E2M1: 384, QDtype.INT8: 384, QDtyp
 
 def row_blocks(spec: WeightSpec, m: int, capability: tuple[int, int]) -> list[int] | None:
     """Row counts of the launches that run ``m`` rows above :func:`max_m` (sm_90, up to
-    :data:`BLOCKED_MAX_M`): max_m rows each, the rest last (a launch's time grows slower than its rows: at
-    8192^2 int4 M = 136 as 128 + 8 rows 52.5 µs, as 72 + 64 55.3; MXFP8 61 vs 114); None where one launch
+    :data:`BLOCKED_MAX_M`): max_m rows each, the rest last (a launch's time grows slower than its rows: H100,
+    8192^2 M = 136 as 128 + 8 rows int4 52.3 µs / MXFP8 76.8, as 72 + 64 55.3 / 114.3); None where one launch
     takes ``m`` or the dequant fallback should."""
     top = max_m(spec, capability)
     if m <= top or capability[0] != 9 or m > BLOCKED_MAX_M[spec.dtype]:

@@ -273,7 +273,6 @@ def test_wgmma_selection_and_shared_memory():
     assert wo_mma._smem(64, 32, replace(cfg, cluster=2)) == wo_mma._smem(64, 32, cfg)  # partials fit the rings
 
 
-
 def test_row_blocks():
     # above max_m on sm_90 (128 rows; 96 for int4 weights not tiled): blocks of max_m rows, the rest last;
     # none elsewhere, nor above BLOCKED_MAX_M (int4 512, the others 384)
@@ -469,9 +468,10 @@ def test_gpu_ws_matches_reference(name, n, k):
 @pytest.mark.parametrize("n,k", ((4096, 4096), (4112, 4224)), ids=str)
 @pytest.mark.parametrize("name", MMA_NAMES)
 def test_gpu_mma_row_blocks(name, n, k):
-    """M above 128 through the op's mma backend on tiled weights: row blocks (wo_mma.row_blocks; the last one
-    a single row at M = 129, not a whole token tile at 300) written into one output, against the reference, with bias
-    where the case has one; the output poisoned first by a call of another M so that every row is written."""
+    """M above 128 through the op's mma backend on tiled weights: row blocks (wo_mma.row_blocks; the last one a
+    single row at M = 129, not a whole token tile at 300) written into one output, against the reference (bias
+    where the case has one), deterministic. A NaN tensor of the output's size is freed just before, so the
+    caching allocator hands its block to the output and a row no launch wrote fails the check."""
     for i, m in enumerate((129, 200, 300)):
         case = _wo_mma_case(name, m, n, k, torch.bfloat16, i)
         x, w, s, gs, zp, bias, sp = _wo_mma_args(case, True)
