@@ -84,6 +84,12 @@ def copies_for(nbytes: int) -> int:
     return max(2, -(-200_000_000 // nbytes))
 
 
+def weight_copies(spec: WeightSpec, n: int, k: int, g: torch.Generator) -> list[dict]:
+    """Random weight copies of ``spec`` (:func:`random_weights`), enough for :func:`copies_for`."""
+    one = random_weights(spec, n, k, g)
+    return [one] + [random_weights(spec, n, k, g) for _ in range(copies_for(weight_bytes(one)) - 1)]
+
+
 def op_fn(x, q, spec, backend):
     key = QuantScheme(spec).key
     op = torch.ops.qcompile.wo_linear
@@ -115,7 +121,7 @@ def bench_shape(args, n, k, g):
     for name, spec in FORMATS.items():
         if name not in args.formats:
             continue
-        qs = [random_weights(spec, n, k, g) for _ in range(copies_for(weight_bytes(random_weights(spec, n, k, g))))]
+        qs = weight_copies(spec, n, k, g)
         ok = check(xs[16 if 16 in xs else args.m[0]], qs[0], spec)
         res[f"{name} [wo_linear mma]"] = {m: timed([op_fn(xs[m], q, spec, "mma") for q in qs], c, r, m)
                                           for m in args.m}
@@ -181,8 +187,7 @@ def tune(args, g):
     for (fam, bucket), cands in CANDIDATES.items():
         spec = FORMATS[FAMILY_FORMAT[fam]]
         if fam not in weights:
-            one = random_weights(spec, n, k, g)
-            weights[fam] = [one] + [random_weights(spec, n, k, g) for _ in range(copies_for(weight_bytes(one)) - 1)]
+            weights[fam] = weight_copies(spec, n, k, g)
         qs, best = weights[fam], None
         for cand in cands:
             score, cells = 0.0, {}
@@ -237,8 +242,7 @@ def mma_sweep(args, g):
         n, k = map(int, shape.split("x"))
         for name in args.sweep_formats:
             spec = FORMATS[name]
-            one = random_weights(spec, n, k, g)
-            qs = [one] + [random_weights(spec, n, k, g) for _ in range(copies_for(weight_bytes(one)) - 1)]
+            qs = weight_copies(spec, n, k, g)
             for m in args.sweep_m:
                 x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
                 ref = op_fn(x, qs[0], spec, "dequant")().float()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_wo_linear import FORMATS, copies_for, op_fn, random_weights, timed, weight_bytes  # noqa: E402
+from bench_wo_linear import FORMATS, copies_for, op_fn, timed, weight_copies  # noqa: E402
 
 from qcompile.kernels import quant_math, wo_mma  # noqa: E402
 
@@ -29,8 +29,7 @@ from qcompile.kernels import quant_math, wo_mma  # noqa: E402
 def tiled_copies(spec, n, k, g, normal=False):
     """Weight copies (>= 200 MB together) tiled as a GPU load tiles them, with the tiled spec. ``normal``:
     int4 codes drawn around the middle (a quantized normal weight) instead of uniform random bytes."""
-    one = random_weights(spec, n, k, g)
-    qs = [one] + [random_weights(spec, n, k, g) for _ in range(copies_for(weight_bytes(one)) - 1)]
+    qs = weight_copies(spec, n, k, g)
     for q in qs:
         if normal:
             codes = (torch.randn(n, k, device="cuda", generator=g) * 2.5 + 8).round().clamp(0, 15).to(torch.int32)
