@@ -3,6 +3,7 @@
     python benchmarks/diag_wo.py --blocks          # M above 128 as row blocks vs dequant + F.linear vs bf16
     python benchmarks/diag_wo.py --op-vs-direct    # M = 16: the op against a direct wo_mma call, weight data
     python benchmarks/diag_wo.py --ws-sweep        # M = 64: warp-specialized launch variants, x_prep's cost
+    python benchmarks/diag_wo.py --ab OLD.cu ...   # each OLD.cu's default launch (git show HEAD~:...) vs this one
 
 µs per call as in bench_wo_linear (CUDA-graph replays, rotating weight copies), every cell twice (rounds
 interleaved) where the flag says so; JSON to --out.
@@ -16,6 +17,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,59 @@ WS_VARIANTS = [dict(), dict(ws=True)] + [dict(ws=True, **v) for v in (
     dict(warps=16, warps_per_sm=16), dict(trig=False))]
 
 
+class source_of:
+    """Compile and launch wo_mma from ``path`` inside the block (its own kernel and plan caches), e.g. a
+    previous commit's wo_mma.cu for a same-call A/B; the launch code is this checkout's."""
+
+    def __init__(self, path):
+        self.path, self.caches = path, ({}, {}, {})
+
+    def __enter__(self):
+        self.saved = wo_mma.SOURCE, wo_mma._KERNELS, wo_mma._PLANS, wo_mma._DEFAULTS
+        wo_mma.SOURCE = Path(self.path)
+        wo_mma._KERNELS, wo_mma._PLANS, wo_mma._DEFAULTS = self.caches
+
+    def __exit__(self, *exc):
+        wo_mma.SOURCE, wo_mma._KERNELS, wo_mma._PLANS, wo_mma._DEFAULTS = self.saved
+
+
+def ab(args, g, res):
+    """The default launch (through the op's mma backend) with this checkout's wo_mma.cu and with each of
+    ``args.ab``, rounds interleaved; bf16 F.linear beside them; the outputs compared bit for bit."""
+    others = {Path(a).stem: source_of(a) for a in args.ab}
+
+    def under(ctx, fn):
+        def call():
+            with ctx:
+                return fn()
+        return call
+
+    for shape in args.shapes:
+        n, k = map(int, shape.split("x"))
+        xs = {m: torch.randn(m, k, device="cuda", generator=g).bfloat16() for m in args.ab_m}
+        wb = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(copies_for(2 * n * k))]
+        res[f"{shape} bf16"] = {m: timed([lambda w=w, x=xs[m]: F.linear(x, w) for w in wb], 20, 25, m)
+                                for m in args.ab_m}
+        print(shape, "bf16", res[f"{shape} bf16"], flush=True)
+        del wb
+        for name in args.ab_formats:
+            qs, sp = tiled_copies(FORMATS[name], n, k, g)
+            for m in args.ab_m:
+                fns = {"new": [op_fn(xs[m], q, sp, "mma") for q in qs]}
+                fns.update({o: [under(ctx, f) for f in fns["new"]] for o, ctx in others.items()})
+                key = f"{shape} {name} M={m}"
+                want = fns["new"][0]()
+                same = all(torch.equal(want, f[0]()) for f in fns.values())
+                err = rel(want, op_fn(xs[m], qs[0], sp, "dequant")())
+                rounds = {o: [] for o in fns}
+                for _ in range(args.rounds):
+                    for o, f in fns.items():
+                        rounds[o].append(timed(f, 20, 25, m))
+                res[key] = dict(rounds, same_bits=same, rel=err)
+                print(key, res[key], flush=True)
+            del qs
+
+
 def ws_sweep(args, g, res):
     real_launch = wo_mma._launch
     variants = json.loads(args.ws_variants) if args.ws_variants else WS_VARIANTS + [dict(ws=True, skip_x_prep=True)]
@@ -130,6 +185,11 @@ def main(argv=None):
     p.add_argument("--blocks", action="store_true")
     p.add_argument("--op-vs-direct", action="store_true")
     p.add_argument("--ws-sweep", action="store_true")
+    p.add_argument("--ab", nargs="+", default=None, metavar="OLD.cu",
+                   help="wo_mma.cu files to time against this checkout's")
+    p.add_argument("--ab-m", type=int, nargs="+", default=[12, 16, 32, 64, 96, 128])
+    p.add_argument("--ab-formats", nargs="+", default=["int4 g128", "nvfp4"])
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--shapes", nargs="+", default=["8192x8192", "28672x8192"])
     p.add_argument("--m", type=int, nargs="+", default=[128, 136, 192, 256, 384, 512, 768, 1024])
     p.add_argument("--ws-m", type=int, nargs="+", default=[64])
@@ -140,7 +200,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     res, t0 = {"device": torch.cuda.get_device_name()}, time.time()
-    for flag, fn in ((args.blocks, blocks), (args.op_vs_direct, op_vs_direct), (args.ws_sweep, ws_sweep)):
+    for flag, fn in ((args.blocks, blocks), (args.op_vs_direct, op_vs_direct), (args.ws_sweep, ws_sweep),
+                     (args.ab, ab)):
         if flag:
             fn(args, g, res)
             res["seconds"] = round(time.time() - t0, 1)

@@ -9,6 +9,7 @@ capture.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import replace
 
@@ -700,6 +701,57 @@ def test_gpu_mma_global_split_on_two_streams():
         assert all(torch.equal(o, want[i]) for o in outs[i]), f"stream {i}"
 
 
+def _counter_values(n):
+    """The first ``n`` split-K counters of the current stream's buffer, read back."""
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    torch.cuda.synchronize()
+    ptr, size = wo_mma._COUNTERS[(torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)]
+    host = (ctypes.c_int * n)()
+    assert _get_gpu_runtime_library().cuMemcpyDtoH_v2(host, ptr, ctypes.c_size_t(4 * n)) == 0
+    return list(host)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (wgmma)")
+def test_gpu_ws_on_two_streams():
+    """The warp-specialized build (x staged by TMA from the tensor map of each call's x) on two streams at once,
+    each alternating it (M = 64) with a split-K call reduced through global memory: every call gives its
+    serial result bit for bit, and each stream's split-K counters end at zero."""
+    k = 4096
+    ws_cases = [_gpu_case("int4_g128", 64, 4096, k, torch.bfloat16, seed=s) for s in (31, 32)]
+    sk_cases = [_gpu_case("int4_g128", 4, 8192, k, torch.bfloat16, seed=s) for s in (33, 34)]
+    spec = replace(wg.parse_scheme_key(ws_cases[0]["scheme"]).weight, tiled=True)
+    wts = [quant_math.tile_words(c["weight"], 4) for c in ws_cases + sk_cases]
+
+    def call(i, c, **kw):
+        return wo_mma.wo_mma(c["x"], wts[i], c["weight_scale"], None, None, c["bias"], spec, **kw)
+
+    def pair(s):
+        return (call(s, ws_cases[s], ws=True, warps=8), call(2 + s, sk_cases[s], split=8, max_cluster=1))
+
+    want = [pair(s) for s in (0, 1)]
+    _check(want[0][0], ws_cases[0], k, "ws")
+    _check(want[0][1], sk_cases[0], k, "split-K")
+    assert _counter_values(8192 // 16) == [0] * (8192 // 16)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for st in streams:
+        st.wait_stream(torch.cuda.current_stream())
+    for st in streams:
+        with torch.cuda.stream(st):
+            torch.cuda._sleep(50_000_000)  # ~25 ms: both queues fill before either runs
+    outs = [[], []]
+    for _ in range(50):
+        for i, st in enumerate(streams):
+            with torch.cuda.stream(st):
+                outs[i].append(pair(i))
+    torch.cuda.synchronize()
+    for i, st in enumerate(streams):
+        assert all(torch.equal(a, want[i][0]) and torch.equal(b, want[i][1]) for a, b in outs[i]), f"stream {i}"
+        with torch.cuda.stream(st):
+            assert _counter_values(8192 // 16) == [0] * (8192 // 16), f"stream {i}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_mma_capture_takes_spare_counters(monkeypatch):
@@ -752,13 +804,17 @@ def test_gpu_mma_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("name", ["int4_g128", "nvfp4"])
-@pytest.mark.parametrize("m,max_cluster", [(1, 1), (16, 8), (5, 8), (28, 8)])
+@pytest.mark.parametrize("m,max_cluster,ws", [(1, 1, None), (16, 8, None), (5, 8, None), (28, 8, None),
+                                               (64, 8, True), (17, 1, True)])
 @pytest.mark.parametrize("trig", [False, True])
-def test_gpu_mma_pdl_chain(name, m, max_cluster, trig):
+def test_gpu_mma_pdl_chain(name, m, max_cluster, ws, trig):
     """Each call's input is the previous call's output (back to back, or through another kernel),
     captured in one CUDA graph: with programmatic dependent launch the kernel must still wait for
     its input, so the chain equals the one launched without it, bit for bit, and eager; also when
-    the next call may launch from the start of this one (``trig``)."""
+    the next call may launch from the start of this one (``trig``). ``ws``: the warp-specialized build, whose
+    x warp stages x by TMA once the previous kernel has completed (no x_prep launch in between)."""
+    if ws and not _sm90():
+        pytest.skip("needs an sm_90 GPU (wgmma)")
     n = k = 4096
     case = _gpu_case(name, m, n, k, torch.bfloat16, seed=11)
     spec = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
@@ -768,7 +824,7 @@ def test_gpu_mma_pdl_chain(name, m, max_cluster, trig):
         x = case["x"]
         for i in range(9):
             y = wo_mma.wo_mma(x, w, case["weight_scale"], case["weight_global_scale"], case["weight_zero_point"],
-                              None, spec, max_cluster=max_cluster, pdl=pdl, trig=trig)
+                              None, spec, max_cluster=max_cluster, pdl=pdl, trig=trig, ws=ws)
             x = y if i % 3 else y / y.float().norm(dim=-1, keepdim=True).clamp_min(1e-6).bfloat16() * 64
         return x
 
