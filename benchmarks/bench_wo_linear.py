@@ -126,7 +126,7 @@ def bench_shape(args, n, k, g):
         res[f"{name} [wo_linear mma]"] = {m: timed([op_fn(xs[m], q, spec, "mma") for q in qs], c, r, m)
                                           for m in args.m}
         tiled = replace(spec, tiled=True)  # what a model loaded onto the GPU runs (weights tiled at load)
-        qts = [dict(q, weight=quant_math.tile_words(q["weight"], spec.dtype.bits)) for q in qs]
+        qts = [dict(q, weight=quant_math.tile_weight(q["weight"], spec)) for q in qs]
         res[f"{name} [wo_linear mma, tiled]"] = {m: timed([op_fn(xs[m], q, tiled, "mma") for q in qts], c, r, m)
                                                  for m in args.m}
         res[f"{name} mma tiled check vs dequant (normwise rel)"] = check(xs[16 if 16 in xs else args.m[0]], qts[0],
@@ -252,7 +252,7 @@ def mma_sweep(args, g):
                         w, sp = q["weight"], spec
                         if v.pop("packed"):
                             if "tiled" not in q:  # once per weight copy, not per variant
-                                q["tiled"] = quant_math.tile_words(w, spec.dtype.bits)
+                                q["tiled"] = quant_math.tile_weight(w, spec)
                             w, sp = q["tiled"], replace(spec, tiled=True)
                         return lambda: wo_mma.wo_mma(x, w, q["weight_scale"], q["weight_global_scale"],
                                                      None, None, sp, **v)

@@ -37,7 +37,7 @@ def tiled_copies(spec, n, k, g, normal=False):
             codes = (torch.randn(n, k, device="cuda", generator=g) * 2.5 + 8).round().clamp(0, 15).to(torch.int32)
             codes = codes.view(n, k // 8, 8) << (4 * torch.arange(8, device="cuda", dtype=torch.int32))
             q["weight"] = codes.sum(-1, dtype=torch.int32)
-        q["weight"] = quant_math.tile_words(q["weight"], spec.dtype.bits)
+        q["weight"] = quant_math.tile_weight(q["weight"], spec)
     return qs, replace(spec, tiled=True)
 
 

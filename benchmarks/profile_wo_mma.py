@@ -36,7 +36,7 @@ def main(argv=None):
         q = random_weights(spec, args.n, args.k, g)
         w, sp = q["weight"], spec
         if not args.canonical:
-            w, sp = quant_math.tile_words(w, spec.dtype.bits), replace(spec, tiled=True)
+            w, sp = quant_math.tile_weight(w, spec), replace(spec, tiled=True)
         wo_mma.wo_mma(x, w, q["weight_scale"], q["weight_global_scale"], None, None, sp, max_cluster=args.max_cluster,
                       **json.loads(args.kw))
     torch.cuda.synchronize()

@@ -184,7 +184,7 @@ class QuantLinear(nn.Module):
 
     def _tile_for_kernel(self) -> None:
         """On a GPU where the registry picks ``wo_mma`` for this layer, permute the weight once into
-        the order that kernel streams (quant_math.tile_words; ~25% faster than the canonical order at
+        the order that kernel streams (quant_math.tile_weight; ~25% faster than the canonical order at
         decode, docs/kernels-wo.md). An act-order weight is first sorted by group for either GPU kernel
         (quant_math.sort_act_order; the op then gathers x's columns per call), when its g_idx allows
         it: wo_mma takes no g_idx, and Triton's per-element scale lookup through it was 13x slower than
@@ -216,7 +216,7 @@ class QuantLinear(nn.Module):
         if name != "wo_mma":
             return
         tiled = replace(scheme.weight, tiled=True)
-        self.weight = _param(quant_math.tile_words(w.data, scheme.weight.dtype.bits))
+        self.weight = _param(quant_math.tile_weight(w.data, scheme.weight))
         self.scheme_key = replace(scheme, weight=tiled).key
 
     def _quantize_online(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:

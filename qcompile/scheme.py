@@ -101,7 +101,7 @@ class WeightSpec:
     global_scale: bool = False
     zero_point: bool = False  # asymmetric: W = (q - z) * s
     act_order: bool = False  # a g_idx maps each input column to its scale group
-    # The weight's words are in wo_mma's streaming order (kernels/wo_mma.py: tile_words): a
+    # The weight's words are in wo_mma's streaming order (kernels/quant_math.py: tile_weight): a
     # permutation of the canonical [N, K/EPW] words, same shape and bytes, made once at load on GPUs.
     tiled: bool = False
     # An act-order weight whose input columns were sorted by group once at load

@@ -132,28 +132,73 @@ def _permute_nibbles(words: torch.Tensor, source: torch.Tensor, to_pairs: bool) 
     return words
 
 
-def untile_words(weight: torch.Tensor, bits: int) -> torch.Tensor:
+# Elements per chunk of a row in the tiled order: the k that one warp's 32 lanes stream per step (wo_mma's KPC).
+TILE_K = {4: 128, 8: 64}
+
+
+def tiles_natural(spec: WeightSpec) -> bool:
+    """Whether :func:`tile_weight` puts ``spec``'s chunks in natural-x order (see :func:`tile_words`): where one
+    scale (and zero point) covers each chunk of a row, so that a lane's scattered k need no more scales than
+    before; NVFP4, MX and int groups below a chunk keep the lanes' own consecutive k."""
+    gran, g = spec.scale.granularity, spec.scale.group_size
+    return gran in (Granularity.TENSOR, Granularity.CHANNEL) or (gran is Granularity.GROUP and
+                                                                 g >= TILE_K[spec.dtype.bits])
+
+
+def _pair_view(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words [N, W] as their element pairs: bytes (4-bit) or 16-bit units (8-bit), [N, 2W or 4W]."""
+    return words.view(torch.uint8 if bits == 4 else torch.int16)
+
+
+def untile_words(weight: torch.Tensor, bits: int, natural: bool = False) -> torch.Tensor:
     """The canonical words of a weight tiled for wo_mma (:func:`tile_words`), in its dtype."""
     words = weight.contiguous().view(torch.int32)
     n, w = words.shape
+    if natural:  # (the nibble order first: it stays within a word)
+        if bits == 4:
+            words = _permute_nibbles(words, weight, to_pairs=False)
+        a = TILE_K[bits] // 8
+        words = _pair_view(words, bits).view(n // 16, w // 16, 2, 8, 4, a).permute(0, 2, 3, 1, 5, 4)
+        return words.reshape(n, -1).view(torch.int32).view(weight.dtype)
     words = words.view(n // 16, w // 16, 2, 8, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(n, w)
     if bits == 4:
         words = _permute_nibbles(words, weight, to_pairs=False)
     return words.view(weight.dtype)
 
 
-def tile_words(weight: torch.Tensor, bits: int) -> torch.Tensor:
+def tile_words(weight: torch.Tensor, bits: int, natural: bool = False) -> torch.Tensor:
     """Canonical weight [N, K/EPW] words (any 4-byte-per-word view: int32, or uint8 / int8 / fp8 rows of
     4-byte multiples) of ``bits``-bit elements -> wo_mma's streaming order, same shape, dtype and size:
     [N/16 tiles][W/16 chunks][2 row halves][8 rows][4 lanes][4 words], so each warp of the kernel reads
     one contiguous run; 4-bit words with their nibbles in pair order (above). N % 16 == 0 and
-    W % 16 == 0. One new tensor; the permutation's temporaries are bounded by ``_PAIR_ROWS`` rows."""
+    W % 16 == 0. One new tensor; the permutation's temporaries are bounded by ``_PAIR_ROWS`` rows.
+
+    Which k lane q of a chunk (``TILE_K[bits]`` elements from k0) holds, as its 16 bytes' element pairs
+    a = 0, 1, ...: by default its own consecutive run, pair a = k0 + TILE_K/4 q + 2a (+ 0, 1); ``natural``:
+    k0 + 8a + 2q (+ 0, 1). That is where mma's B fragment of lane q takes x within each k16 step, so
+    the kernel then reads x (the B operand) in its natural order, as a TMA box (docs/kernels-wo.md, v20);
+    a lane's k then span the whole chunk, so one scale must cover it (:func:`tiles_natural`)."""
     words = weight.contiguous().view(torch.int32)
     n, w = words.shape
-    words = words.view(n // 16, 2, 8, w // 16, 4, 4).permute(0, 3, 1, 2, 4, 5).reshape(n, w)
+    if natural:
+        a = TILE_K[bits] // 8
+        words = _pair_view(words, bits).view(n // 16, 2, 8, w // 16, a, 4).permute(0, 3, 1, 2, 5, 4)
+        words = words.reshape(n, -1).view(torch.int32)
+    else:
+        words = words.view(n // 16, 2, 8, w // 16, 4, 4).permute(0, 3, 1, 2, 4, 5).reshape(n, w)
     if bits == 4:
         words = _permute_nibbles(words, weight, to_pairs=True)
     return words.view(weight.dtype)
+
+
+def tile_weight(weight: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    """:func:`tile_words` of a stored weight in the order its spec runs in (:func:`tiles_natural`)."""
+    return tile_words(weight, spec.dtype.bits, tiles_natural(spec))
+
+
+def untile_weight(weight: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    """The canonical words of a weight stored tiled (``spec.tiled``) by :func:`tile_weight`."""
+    return untile_words(weight, spec.dtype.bits, tiles_natural(spec))
 
 
 def sort_act_order(weight: torch.Tensor, g_idx: torch.Tensor, spec: WeightSpec, k: int,
@@ -183,7 +228,7 @@ def sort_act_order(weight: torch.Tensor, g_idx: torch.Tensor, spec: WeightSpec, 
 def decode_weight_codes(weight: torch.Tensor, spec: WeightSpec, k: int) -> torch.Tensor:
     """Element values (before scales) of a stored weight, fp32 [N, K]."""
     if spec.tiled:
-        weight = untile_words(weight, spec.dtype.bits)
+        weight = untile_weight(weight, spec)
     if spec.packing is Packing.INT32:
         return unpack_int32(weight, spec.dtype.bits, k).float()
     if spec.packing is Packing.UINT8 and spec.dtype is QDtype.FP4_E2M1:

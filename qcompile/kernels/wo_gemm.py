@@ -208,7 +208,8 @@ def wo_gemm(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bi
     k_split = -(-(k // bk) // split) * bk
     split = -(-k // k_split)
     ptx = cfg.pop("PTX_DECODE", True) and x2.is_cuda
-    if cfg.pop("X_PERMUTED", False):
+    natural = spec.tiled and quant_math.tiles_natural(spec)
+    if cfg.pop("X_PERMUTED", False) and not natural:  # (natural tiles reorder x in registers)
         xp = torch.empty_like(x2)
         _permute_x_kernel[(m, k // bk)](x2, xp, k, BLOCK_K=bk, EPW=lay.epw, num_warps=4)
         x2 = xp
@@ -221,7 +222,8 @@ def wo_gemm(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bi
         x2, words, s, z, g, gs, bias, dest, m, n, k, words.shape[1], stride_sn, k_split // lay.epw,
         FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
         HAS_ZP=z is not None, ACT_ORDER=g is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
-        EMULATE_DOT=not x2.is_cuda, PTX_DECODE=ptx, TILED=spec.tiled, num_warps=warps, num_stages=stages, **cfg)
+        EMULATE_DOT=not x2.is_cuda, PTX_DECODE=ptx, TILED=spec.tiled, NATURAL=natural, num_warps=warps,
+        num_stages=stages, **cfg)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
@@ -246,7 +248,7 @@ def dequantize_triton(weight, scale, spec: WeightSpec, global_scale=None, zero_p
         words, s, z, g, gs, out, n, k, words.shape[1], stride_sn,
         FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
         HAS_ZP=z is not None, ACT_ORDER=g is not None, BLOCK_N=block_n, BLOCK_K=block_k, TILED=spec.tiled,
-        num_warps=cfg["num_warps"])
+        NATURAL=spec.tiled and quant_math.tiles_natural(spec), num_warps=cfg["num_warps"])
     return out
 
 

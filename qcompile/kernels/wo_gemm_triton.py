@@ -118,14 +118,23 @@ if HAS_TRITON:
                                          dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
     @triton.jit
-    def _x_slices(x_ptr, offs_m, m_ok, k0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPW: tl.constexpr):
+    def _x_slices(x_ptr, offs_m, m_ok, k0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPW: tl.constexpr,
+                  NATURAL: tl.constexpr = False):
         """x[m, k0:k0+BLOCK_K] in one contiguous (cp.async-able, so pipelined) load, split in registers
         into EPW tensors [BLOCK_M, BLOCK_K/EPW]: slice j holds x[m, k0 + EPW*i + j], the partner of
         code j of word i. (Loading the slices directly means 2-byte loads at a 16-byte stride, which
         cp.async cannot do: they stalled every K step, 4x the memory floor on the H100.)"""
-        BKW: tl.constexpr = BLOCK_K // EPW
         x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok[:, None],
                     other=0.0)
+        if NATURAL:  # tiled in natural-x order: word i = 16c + 4q + e, element j = 2jh + j0 holds
+            # k = KPC c + 4 EPW e + 8 jh + 2q + j0 (quant_math.tile_words): the tile in (i, j) order first
+            x = tl.reshape(x, (BLOCK_M, BLOCK_K // (16 * EPW), 4, EPW // 2, 4, 2))
+            x = tl.reshape(tl.permute(x, (0, 1, 4, 2, 3, 5)), (BLOCK_M, BLOCK_K))
+        return _split_slices(x, BLOCK_M, BLOCK_K // EPW, EPW)
+
+    @triton.jit
+    def _split_slices(x, BLOCK_M: tl.constexpr, BKW: tl.constexpr, EPW: tl.constexpr):
+        """x [BLOCK_M, BKW * EPW] -> EPW tensors [BLOCK_M, BKW]: slice j holds x[m, EPW*i + j]."""
         if EPW == 8:  # k = 8i + 4*j2 + 2*j1 + j0; split peels j0, then j1, then j2
             e, o = tl.split(tl.reshape(x, (BLOCK_M, BKW, 2, 2, 2)))
             ee, eo = tl.split(e)
@@ -209,7 +218,7 @@ if HAS_TRITON:
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EMULATE_DOT: tl.constexpr = False, PTX_DECODE: tl.constexpr = False,
                         SCALE_PREFETCH: tl.constexpr = True, X_PERMUTED: tl.constexpr = False,
-                        TILED: tl.constexpr = False):
+                        TILED: tl.constexpr = False, NATURAL: tl.constexpr = False):
         # grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K): the M tiles of one weight tile run
         # side by side (their second reads hit L2). x [M, K] contiguous; out [M, N], or fp32
         # partials [SPLIT_K, M, N] when PARTIAL.
@@ -270,7 +279,7 @@ if HAS_TRITON:
             if X_PERMUTED:
                 xs = _x_slices_permuted(x_ptr, offs_m, m_ok, k0, K, BKW, EPW)
             else:
-                xs = _x_slices(x_ptr, offs_m, m_ok, k0, K, BLOCK_M, BLOCK_K, EPW)
+                xs = _x_slices(x_ptr, offs_m, m_ok, k0, K, BLOCK_M, BLOCK_K, EPW, NATURAL)
             for j in tl.static_range(EPW if FAST else 0):
                 xt = tl.trans(xs[j])  # element j is nibble j // 2 + 4 (j % 2) of a tiled 4-bit word
                 if FAST_INT4:
@@ -322,7 +331,8 @@ if HAS_TRITON:
     def _dequant_kernel(w_ptr, s_ptr, z_ptr, g_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn,
                         FMT: tl.constexpr, EPW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
                         HAS_GS: tl.constexpr, HAS_ZP: tl.constexpr, ACT_ORDER: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr = False):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr = False,
+                        NATURAL: tl.constexpr = False):
         # grid (cdiv(N, BLOCK_N), K / BLOCK_K): out[n, k] = ((q - z) * s) * g, the order of quant_math
         BKW: tl.constexpr = BLOCK_K // EPW
         BITS: tl.constexpr = 32 // EPW
@@ -332,7 +342,11 @@ if HAS_TRITON:
         j = tl.arange(0, EPW)
         sl = j // 2 + 4 * (j % 2) if TILED and EPW == 8 else j  # element j's nibble (see _wo_gemm_kernel)
         words = tl.load(w_ptr + _word_offsets(rows, tl.program_id(1) * BKW + offs_i, stride_wn, TILED))
-        v = _decode(words[:, :, None] >> (sl * BITS)[None, None, :], FMT)  # [BN, BKW, EPW]: k in natural order
+        v = _decode(words[:, :, None] >> (sl * BITS)[None, None, :], FMT)  # [BN, BKW, EPW]
+        if NATURAL:  # word i = 16c + 4q + e, element j = 2jh + j0 is k = KPC c + 4 EPW e + 8 jh + 2q + j0
+            v = tl.reshape(v, (BLOCK_N, BLOCK_K // (16 * EPW), 4, 4, EPW // 2, 2))
+            v = tl.reshape(tl.permute(v, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BKW, EPW))
+        # (v: k in natural order)
         if ACT_ORDER:  # a scale per element, gathered through g_idx
             k = tl.program_id(1) * BLOCK_K + (offs_i * EPW)[:, None] + j[None, :]  # [BKW, EPW]
             sidx = rows[:, None, None] * stride_sn + tl.load(g_ptr + k)[None, :, :]

@@ -6,7 +6,8 @@
 // The weight is streamed either in its canonical checkpoint layout (row-major words, element k of
 // a row at bits BITS*(k % EPW) of word k / EPW; e2m1 bytes read as the same words) or tiled
 // (PACKED: quant_math.tile_words permutes the same words so each warp streams one contiguous run, and
-// puts a 4-bit word's nibbles in pair order so that x needs no reordering):
+// puts a 4-bit word's nibbles in pair order so that x needs no reordering; where one scale covers a chunk
+// (XNAT), the k of a chunk are also permuted so that x is mma's B operand in its natural order):
 //
 //  * The weight is the MMA's A operand (m16n8k16, rows = output features), x is B (n = 8 tokens,
 //    MT tiles). One warp owns 16 rows (RT tiles of 16 with RT > 1: each x fragment it reads from shared
@@ -35,8 +36,9 @@
 //    the decoded weights (no per-chunk fp32 step).
 //  * WS (sm_90a, warp-specialized wgmma build, tiled weights): two producer warps fill mbarrier
 //    rings with bulk copies (weights: NSTG slots of one chunk per consumer warp, released as soon as
-//    the words are in registers; x: XSTAGES slots, rearranged into the B layout once per call by
-//    x_prep), and the consumer warpgroups wait only on their own slots: no CTA barrier per chunk.
+//    the words are in registers; x: XSTAGES slots, loaded by TMA from x itself (XNAT) or rearranged into
+//    the B layout once per call by x_prep), and the consumer warpgroups wait only on their own slots: no
+//    CTA barrier per chunk.
 //  * PDL (sm_90, programmatic dependent launch): the first weight chunks are requested before
 //    griddepcontrol.wait, so they overlap the previous kernel's tail; x, the outputs, the partials
 //    and the counters are touched only after it. With TRIG the kernel lets the next one launch at
@@ -114,14 +116,24 @@ typedef unsigned short u16;
 #define X_CS (KPC * 2 + (BITS == 4 ? 16 : 0))
 #define X_SEG(q) ((q) * KPL * 2 + (BITS == 4 ? ((q) >> 1) * 16 : 0))
 #define X_ROW_MOD (BITS == 4 ? 2 : 1)
+// XNAT: tiled words in natural-x order (quant_math.tile_words, natural=True; tiles_natural: one scale per chunk).
+// Lane q's pair a of a chunk is k = 8a + 2q (+ 0, 1), the k where mma's B fragment of lane q takes x, so x is the
+// B operand in its natural order: the warp-specialized build loads it by TMA (no x_prep launch) and the lock-step
+// wgmma build copies its units as they are. The mma.sync builds keep each lane's 16-byte units in shared memory
+// (x_unit_off; one 16-byte read per unit): word q of x's unit 4u + i is word i of lane q's unit u, so their fills
+// scatter words (x_word_off).
+#define XNAT (PACKED && (SMODE == SMODE_END || GROUP >= KPC))
 __device__ __forceinline__ constexpr int x_row_stride(int chunks) {
   const int u = chunks * X_CS / 16;
   return (u + (X_ROW_MOD - u % 8 + 8) % 8) * 16;
 }
 // Byte offset of 16-byte unit `wu` (of KPC / 8) in a chunk of one x row: lane wu / UNITS's segment.
 __device__ __forceinline__ int x_unit_off(int wu) { return X_SEG(wu / UNITS) + (wu % UNITS) * 16; }
+// XNAT: byte offset of word q of x's unit n (= 4u + i) of a chunk row: word i of lane q's unit u.
+__device__ __forceinline__ int x_word_off(int n, int q) { return X_SEG(q) + (n >> 2) * 16 + (n & 3) * 4; }
 
 struct __align__(16) U4 { u32 v[4]; };
+struct __align__(64) TMap { unsigned long long v[16]; };  // a CUtensorMap, passed by value
 
 #if WGMMA
 #if SMODE == SMODE_CHUNK || WARPS % 4 || STAGES % 2
@@ -327,14 +339,24 @@ __device__ __forceinline__ void x_transform(u32 slot, u32 buf, int M) {
       U4 w[4];
 #pragma unroll
       for (int qq = 0; qq < 4; qq++) {
+#if XNAT  // core matrix 4u + qq is x's unit 4u + qq
+        w[qq] = m < M ? ld_shared(slot + m * XROW + (4 * u + qq) * 16) : U4{{0u, 0u, 0u, 0u}};
+#else
         const U4 v = m < M ? ld_shared(slot + m * XROW + qq * KPL * 2 + u * 16) : U4{{0u, 0u, 0u, 0u}};
         w[qq] = x_unit_order(v);  // pair e is decode<e>'s
+#endif
       }
 #pragma unroll
       for (int e = 0; e < 4; e++)
+#if XNAT
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(buf + ((4 * u + e) * MT + (m >> 3)) * 128 +
+                                                                      (m & 7) * 16),
+                     "r"(w[e].v[0]), "r"(w[e].v[1]), "r"(w[e].v[2]), "r"(w[e].v[3]));
+#else
         asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(buf + ((4 * u + e) * MT + (m >> 3)) * 128 +
                                                                       (m & 7) * 16),
                      "r"(w[0].v[e]), "r"(w[1].v[e]), "r"(w[2].v[e]), "r"(w[3].v[e]));
+#endif
     }
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -392,7 +414,15 @@ __device__ __forceinline__ void x_fill(u32 slot, u32 full, const u16* __restrict
   constexpr int UPR = KPC / 8;  // 16-byte units per row
   for (int t = threadIdx.x & 31; t < M * UPR; t += 32) {
     const int m = t / UPR, wu = t % UPR;
-    cp_async16(slot + m * XRS + x_unit_off(wu), x + (size_t)m * K + (size_t)ch * KPC + wu * 8);
+    const u16* src = x + (size_t)m * K + (size_t)ch * KPC + wu * 8;
+#if XNAT  // unit wu's words to their lanes' units (4-byte copies, L1-cached: the unit's sector serves all four)
+#pragma unroll
+    for (int qq = 0; qq < 4; qq++)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(slot + m * XRS + x_word_off(wu, qq)),
+                   "l"(src + 2 * qq) : "memory");
+#else
+    cp_async16(slot + m * XRS + x_unit_off(wu), src);
+#endif
   }
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
 }
@@ -414,6 +444,23 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
 }
+#if XNAT
+// x[:, k0 : k0 + 64] straight into a B slot: the tensor map (wo_mma.py: _x_tensor_map) boxes 64 k (128 bytes) x
+// 8 MT tokens, 128-byte swizzled (16-byte unit j of row m at j ^ (m % 8) within 1024-byte atoms), tokens from M
+// on zeros. That is wgmma's K-major 128B-swizzle layout (wg_desc_sw128). A chunk is KPC / 64 boxes.
+#define XBOX (MT * 8 * 128)
+__device__ __forceinline__ void tma_load_x(u32 dst, const void* map, int k0, u32 bar, unsigned long long pol) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+               " [%0], [%1, {%2, %3}], [%4], %5;"
+               ::"r"(dst), "l"(map), "r"(k0), "r"(0), "r"(bar), "l"(pol) : "memory");
+}
+// Descriptor of a K-major, 128-byte-swizzled B tile at `addr` (1024-byte atoms of 8 tokens, 1024 bytes apart; the
+// k16 step's 32 bytes within the 128-byte row: the address moves by them, the swizzle follows the address bits).
+__device__ __forceinline__ unsigned long long wg_desc_sw128(u32 addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+#endif
 #endif
 
 // Group index (scale / zero-point column) of lane q's k in chunk ch.
@@ -645,7 +692,12 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
       const u16* __restrict__ x, const u32* __restrict__ w, const void* __restrict__ s,               \
       const ZP_T* __restrict__ zp, const float* __restrict__ gs, const u16* __restrict__ bias,        \
       u16* __restrict__ out, float* __restrict__ part, int* __restrict__ counters, int M, int N, int K, \
-      int ss, int cps)
+      int ss, int cps WO_MMA_TAIL)
+#if WS && XNAT  // (the warp-specialized build on natural-order tiles: x's tensor map)
+#define WO_MMA_TAIL , const __grid_constant__ TMap xmap
+#else
+#define WO_MMA_TAIL
+#endif
 #if !WS
 WO_MMA_KERNEL {
   extern __shared__ __align__(16) unsigned char xs[];
@@ -749,6 +801,16 @@ WO_MMA_KERNEL {
   {
     const int upc = KPC / 8;
     const u32 base = smem_addr(xs);
+#if XNAT  // word q of x's unit n = 4u + i of a chunk is word i of lane q's unit u (its pair 4u + i)
+    for (int i = threadIdx.x; i < M * (ks / 8); i += WARPS * 32) {
+      const int m = i / (ks / 8), gu = i - m * (ks / 8), n = gu % upc;
+      const U4 v = *(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8);
+      const u32 dst = base + m * rs + (gu / upc) * X_CS;
+#pragma unroll
+      for (int qq = 0; qq < 4; qq++)
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(dst + x_word_off(n, qq)), "r"(v.v[qq]));
+    }
+#else
     for (int i = threadIdx.x; i < M * (ks / 8); i += WARPS * 32) {
       const int m = i / (ks / 8), gu = i - m * (ks / 8);
       const U4 v = x_unit_order(*(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8));
@@ -756,6 +818,7 @@ WO_MMA_KERNEL {
       asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(base + m * rs + off),
                    "r"(v.v[0]), "r"(v.v[1]), "r"(v.v[2]), "r"(v.v[3]));
     }
+#endif
   }
   __syncthreads();
   const u32 xlane = smem_addr(xs) + X_SEG(q);
@@ -990,7 +1053,8 @@ WO_MMA_KERNEL {
   const int r = lane >> 2, q = lane & 3;
   const int nch = K / KPC, c0 = blockIdx.y * cps, nc = min(cps, nch - c0);
   const int ntile = N / 16, tile0 = blockIdx.x * WARPS;
-  const u32 wring = smem_addr(xs), xring = wring + NSTG * WSTAGE;
+  // (XNAT: the x slots 1024-byte aligned, the swizzle's period)
+  const u32 wring = smem_addr(xs), xring = XNAT ? (wring + NSTG * WSTAGE + 1023) & ~1023u : wring + NSTG * WSTAGE;
   const u32 wfull = smem_addr(bars), wempty = wfull + 8 * NSTG, xfull = wempty + 8 * NSTG,
             xempty = xfull + 8 * XSTAGES;
   if (threadIdx.x == 0) {
@@ -1035,12 +1099,26 @@ WO_MMA_KERNEL {
       if (lane < WARPS) bulk_copy(wring + st * WSTAGE + lane * 1024, wt + (size_t)i * 256, 1024, wfull + 8 * st, pol);
     }
   } else if (warp == WARPS + 1) {
-    // x (x_prep's output: after griddepcontrol.wait), kept in L2 for the other CTAs.
+    // x (XNAT: x itself through its tensor map, else x_prep's output; after griddepcontrol.wait), kept in L2
+    // for the other CTAs.
 #if PDL && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
     unsigned long long pol;
     asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+#if XNAT
+    for (int i = 0; i < nc; i++) {  // the whole warp waits, lane 0 copies
+      const int st = i % XSTAGES;
+      if (i >= XSTAGES) mbar_wait(xempty + 8 * st, ((i / XSTAGES) - 1) & 1);
+      if (lane == 0) {
+        mbar_expect_tx(xfull + 8 * st, XBUF);
+#pragma unroll
+        for (int b = 0; b < KPC / 64; b++)
+          tma_load_x(xring + st * XBUF + b * XBOX, &xmap, (c0 + i) * KPC + b * 64, xfull + 8 * st, pol);
+      }
+      __syncwarp();
+    }
+#else
     const unsigned char* xc = (const unsigned char*)x + (size_t)c0 * XBUF;
     for (int i = 0; i < nc; i++) {  // the whole warp waits, lane 0 copies
       const int st = i % XSTAGES;
@@ -1051,6 +1129,7 @@ WO_MMA_KERNEL {
       }
       __syncwarp();
     }
+#endif
   } else {
     // Consumers: chunk i's words from its weight slot (released at once), decoded into fragment set
     // i % 2 while the wgmmas of chunk i - 1 run; after issuing chunk i's wgmmas, wait for chunk
@@ -1082,8 +1161,13 @@ WO_MMA_KERNEL {
           asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
           for (int k16 = 0; k16 < KPC / 16; k16++)
+#if XNAT
+            wgmma_k16(&acc[0][0], af[p][k16][0], af[p][k16][1], af[p][k16][2], af[p][k16][3],
+                      wg_desc_sw128(xring + sx * XBUF + (k16 >> 2) * XBOX + (k16 & 3) * 32));
+#else
             wgmma_k16(&acc[0][0], af[p][k16][0], af[p][k16][1], af[p][k16][2], af[p][k16][3],
                       d0 + ((k16 * 2 * MT * 128) >> 4));
+#endif
           asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
           asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // chunk i - 1's
           wg_fence_frags(af[p ^ 1]);

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..scheme import Granularity, Packing, QDtype, ScaleDtype, WeightSpec
+from . import quant_math
 
 SOURCE = Path(__file__).with_name("wo_mma.cu")
 
@@ -37,7 +38,7 @@ FMT = {(QDtype.INT4, Packing.INT32): 0, (QDtype.FP4_E2M1, Packing.UINT8): 1, (QD
        (QDtype.INT8, Packing.NONE): 3, (QDtype.FP8_E4M3, Packing.NONE): 4}
 SK = {ScaleDtype.FP32: 0, ScaleDtype.FP8_E4M3: 1, ScaleDtype.E8M0: 2}
 SMODE_END, SMODE_CHUNK, SMODE_PRE = 0, 1, 2
-KPC = {4: 128, 8: 64}  # k per chunk (one 16-byte load per lane per row), by weight bits
+KPC = quant_math.TILE_K  # k per chunk (one 16-byte load per lane per row), by weight bits
 ZP_TYPES = {torch.int32: "int", torch.int8: "signed char", torch.uint8: "unsigned char"}
 MAX_M = 32  # 4 token tiles of 8; above, the Triton kernel / dequant + F.linear
 # Shared memory for x per CTA (M x K-range bf16); split-K grows until it fits.
@@ -59,7 +60,8 @@ WGMMA_MAX_M = 128  # 16 token tiles (m64 n128 k16); what wo_mma(..., wgmma=True)
 # Elsewhere the mma.sync build runs M <= MAX_M.
 SM90_MAX_M_INT4 = 96
 # The warp-specialized wgmma build (producer warps filling mbarrier rings with bulk copies, x
-# rearranged once per call by x_prep) for tiled weights on sm_90 from this M, by weight type. 4-bit
+# rearranged once per call by x_prep, or loaded by TMA on natural-order tiles) for tiled weights on sm_90 from
+# this M, by weight type (measured with x_prep: not retuned for the TMA path, docs/kernels-wo.md v20). 4-bit
 # weights at M = 12..128 beat the mma.sync / wgmma builds at 3 shapes x 2 formats in 42 of 48 cells (by
 # up to 2x at M = 96..128), at M <= 8 they lost at 5 of 6 shape-format pairs (the x_prep launch and
 # per-chunk barriers cost more than the work) (docs/kernels-wo.md, v9). 8-bit weights take it where the
@@ -434,6 +436,11 @@ class MmaConfig:
         return 4 if self.fmt in (0, 1) else 8
 
     @property
+    def xnat(self) -> bool:
+        """Tiled words in natural-x order (wo_mma.cu: XNAT; quant_math.tiles_natural): one scale per chunk."""
+        return self.packed and (self.smode == SMODE_END or self.group >= KPC[self.bits])
+
+    @property
     def threads(self) -> int:
         return 32 * self.warps + (64 if self.ws else 0)
 
@@ -730,15 +737,37 @@ def _pdl_default(device: torch.device) -> bool:
     return _PDL[idx]
 
 
+_TENSOR_MAP_U16, _SWIZZLE_128B, _L2_PROMOTION_256B = 1, 3, 3  # CUtensorMapDataType / Swizzle / L2promotion
+
+
+def _x_tensor_map(x2: torch.Tensor, rows: int) -> ctypes.Array:
+    """The warp-specialized build's tensor map of x [M, K] (16-bit, 16-byte aligned) on natural-order tiles: boxes
+    of 64 k x ``rows`` tokens, 128-byte swizzled, which is wgmma's K-major B layout (wo_mma.cu: tma_load_x); tokens
+    from M on read as zeros. 128 bytes (a CUtensorMap), passed to the kernel by value."""
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    m, k = x2.shape
+    tmap = (ctypes.c_uint64 * 16)()
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    rc = _get_gpu_runtime_library().cuTensorMapEncodeTiled(
+        ctypes.byref(tmap), _TENSOR_MAP_U16, u32(2), ctypes.c_void_p(x2.data_ptr()), (u64 * 2)(k, m), (u64 * 1)(2 * k),
+        (u32 * 2)(64, rows), (u32 * 2)(1, 1), 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+    if rc != 0:
+        raise RuntimeError(f"wo_mma: cuTensorMapEncodeTiled failed with CUresult {rc} (x {list(x2.shape)}, "
+                           f"box 64 x {rows})")
+    return tmap
+
+
 def _launch(kern, grid, block, smem: int, pdl: bool, args: list) -> None:
     """cuLaunchKernelEx on the current stream of the first tensor's device. With ``pdl`` the launch
     may begin while the previous kernel of the stream finishes (programmatic stream serialization);
     the kernel waits for it (griddepcontrol.wait) before it reads x or writes anything, so only its
-    weight loads overlap. Tensors (and ctypes pointers) are passed as pointers, ints as int32."""
+    weight loads overlap. Tensors (and ctypes pointers) are passed as pointers, ints as int32, ctypes arrays
+    (a tensor map) by value."""
     from torch.cuda._utils import _get_gpu_runtime_library
 
-    held = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else a if isinstance(a, ctypes.c_void_p)
-            else ctypes.c_int(a) for a in args]
+    held = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+            else a if isinstance(a, (ctypes.c_void_p, ctypes.Array)) else ctypes.c_int(a) for a in args]
     ptrs = (ctypes.c_void_p * len(held))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in held])
     attr = _LaunchAttr(_PROGRAMMATIC_STREAM_SERIALIZATION, 0, (ctypes.c_int * 16)(1))
     stream = torch.cuda.current_stream(args[0].device)
@@ -761,8 +790,8 @@ def _max_active_clusters(kern, cfg: MmaConfig, smem: int) -> int:
 
 
 def _smem(m: int, cps: int, cfg: MmaConfig) -> int:
-    if cfg.ws:  # the rings: slots of one chunk of every consumer warp's 16 rows, and of x
-        smem = cfg.nstg * cfg.warps * 1024 + cfg.xstages * cfg.mt * 8 * KPC[cfg.bits] * 2
+    if cfg.ws:  # the rings: slots of one chunk of every consumer warp's 16 rows, and of x (xnat: 1024-byte aligned)
+        smem = cfg.nstg * cfg.warps * 1024 + cfg.xstages * cfg.mt * 8 * KPC[cfg.bits] * 2 + 1024 * cfg.xnat
     else:
         smem = x_bytes(m, cps, cfg.bits, cfg.wgmma, cfg.xstages, cfg.kw if cfg.xs else 0)
     if cfg.kw > 1:  # the other warps' partials of each tile reuse x's shared memory
@@ -870,7 +899,8 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     ``QCOMPILE_PDL=0``). ``xstages`` / ``minb``: x chunks in flight and CTAs per SM (wgmma).
     ``ws``: the warp-specialized wgmma build (default: :func:`ws_default`; tiled weights; ``warps``
     consumer warps plus two producers, ``nstg`` weight and ``xstages`` x slots; launch:
-    :func:`ws_launch`; x rearranged first by its ``x_prep`` kernel). ``trig``: with PDL, let the next
+    :func:`ws_launch`; x loaded by TMA from x itself on natural-order tiles (quant_math.tiles_natural), else
+    rearranged first by the ``x_prep`` kernel). ``trig``: with PDL, let the next
     kernel launch from this one's start (default: :func:`trig_default`). ``kw``: mma.sync build, warps
     sharing each 16-row tile (default 1; for tiled weights with the launch left to it,
     :func:`default_launch` decides). ``rt``: mma.sync build, 16-row tiles per warp (or per ``kw`` warps).
@@ -950,7 +980,10 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     counters = _counters(x2.device, cols) if global_split else out
     w = weight.contiguous().view(torch.int32)
     dummy = out
-    if ws:  # x as the B operand, chunk by chunk (wo_mma.cu: x_prep)
+    tail = []
+    if ws and cfg.xnat:  # x loaded as it is by TMA (wo_mma.cu: XNAT)
+        tail = [_x_tensor_map(x2, mt * 8)]
+    elif ws:  # x as the B operand, chunk by chunk (wo_mma.cu: x_prep)
         kpc = KPC[cfg.bits]
         xp = torch.empty((k // kpc) * mt * 8 * kpc, dtype=x2.dtype, device=x2.device)
         tasks = (k // kpc) * mt * 8 * (kpc // 32)
@@ -961,5 +994,5 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
             [x2, w, s, zero_point.contiguous() if zero_point is not None else dummy,
              global_scale.float().reshape(1) if global_scale is not None else dummy,
              bias.to(x2.dtype).contiguous() if bias is not None else dummy,
-             out, part, counters, m, n, k, ss, cps])
+             out, part, counters, m, n, k, ss, cps, *tail])
     return out

@@ -337,7 +337,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
                                    case["weight_g_idx"], k, torch.float32)
         res[f"dequant-exact-{name}"] = bool(torch.equal(got, dequantized(case)))
         tiled = replace(spec_w, tiled=True)  # the same weight in wo_mma's order (quant_math.tile_words)
-        got = wg.dequantize_triton(qm.tile_words(w, spec_w.dtype.bits), s, tiled, case["weight_global_scale"],
+        got = wg.dequantize_triton(qm.tile_weight(w, spec_w), s, tiled, case["weight_global_scale"],
                                    case["weight_zero_point"], case["weight_g_idx"], k, torch.float32)
         res[f"dequant-exact-tiled-{name}"] = bool(torch.equal(got, dequantized(case)))
     # the GEMM kernel, several configurations, vs the fp64 reference
@@ -363,7 +363,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
         case = make_case(name, 48, 512, (5,), torch.bfloat16, seed=3)  # tiled weights (N % 16 == 0)
         ref = reference(case)
         for cname in ("dot", "dot-bk2-split2"):
-            out = wg.wo_gemm(case["x"], qm.tile_words(case["weight"], spec.dtype.bits), case["weight_scale"],
+            out = wg.wo_gemm(case["x"], qm.tile_weight(case["weight"], spec), case["weight_scale"],
                              case["weight_global_scale"], case["weight_zero_point"], case["weight_g_idx"],
                              case["bias"], replace(spec, tiled=True), cfgs(lay.epw)[cname]).double()
             rms = ref.pow(2).mean().sqrt()
@@ -409,7 +409,7 @@ def _ptxas_available() -> bool:
                                       ("nvfp4", 1, "bf16"), ("mxfp4", 64, "bf16"), ("int8_channel_packed", 16, "bf16")])
 def test_triton_kernels_compile_for_sm90(name, m, x, tiled):
     """The GEMM kernel with the launch configuration the op picks (PTX decode on) and the dequant
-    kernel compile for sm_90, canonical and tiled words."""
+    kernel compile for sm_90, canonical and tiled words (int4 g128 and int8 channel: in natural-x order)."""
     from qcompile.kernels import wo_gemm_triton as wt
     spec = SPECS[name]
     lay = wg.layout_of(spec)
@@ -422,7 +422,8 @@ def test_triton_kernels_compile_for_sm90(name, m, x, tiled):
     ptrs = dict(x_ptr="*" + x, w_ptr="*i32", s_ptr=sk, z_ptr=zp, g_ptr=None, gs_ptr=gs, bias_ptr=None,
                 out_ptr="*fp32" if split > 1 else "*" + x)
     common = dict(FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
-                  HAS_ZP=zp is not None, ACT_ORDER=False, TILED=tiled)
+                  HAS_ZP=zp is not None, ACT_ORDER=False, TILED=tiled,
+                  NATURAL=tiled and quant_math.tiles_natural(spec))
     _compile_sm90(wt._wo_gemm_kernel, ptrs, ("M", "N", "K", "stride_wn", "stride_sn", "k_split_words"),
                   dict(common, HAS_BIAS=False, PARTIAL=split > 1, PTX_DECODE=True, **cfg),
                   num_warps=warps, num_stages=stages)

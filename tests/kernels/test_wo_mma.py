@@ -182,6 +182,17 @@ def test_tile_words_round_trip(n, w, bits, monkeypatch):
         assert got == src
     else:  # 4-bit element e at nibble e // 2 + 4 (e % 2): nibbles (p, p + 4) are elements (2p, 2p + 1)
         assert [(got >> 4 * (e // 2 + 4 * (e % 2))) & 15 for e in range(8)] == [(src >> 4 * e) & 15 for e in range(8)]
+    # natural-x order: lane q's element p of a chunk (word p // epw) is the row's k = kpc c + 8 (p // 2) + 2q + p % 2
+    nat = quant_math.tile_words(words, bits, natural=True)
+    assert nat.shape == words.shape and torch.equal(quant_math.untile_words(nat, bits, natural=True), words)
+    assert torch.equal(words, kept)
+    epw, kpc = 32 // bits, quant_math.TILE_K[bits]
+    codes = quant_math.unpack_int32(words, bits, w * epw) + 2 ** (bits - 1)  # [n, k] raw codes
+    lane = nat.view(-1)[((t * (w // 16) + c) * 2 + h) * 128 + (4 * r + q) * 4:][:4]
+    order = [e // 2 + 4 * (e % 2) for e in range(8)] if bits == 4 else list(range(4))  # element -> code slot
+    got = [int((int(lane[p // epw]) >> bits * order[p % epw]) & (2**bits - 1)) for p in range(4 * epw)]
+    want = [int(codes[16 * t + 8 * h + r, kpc * c + 8 * (p // 2) + 2 * q + p % 2]) for p in range(4 * epw)]
+    assert got == want
 
 
 def _q(name, capability, act_dtype=torch.bfloat16):
@@ -268,9 +279,12 @@ def test_wgmma_selection_and_shared_memory():
     assert wo_mma.plan(32, 28672, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16, wgmma=True)[1] == 1
     assert wo_mma.plan(32, 28672, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16)[1] == 7
     assert wo_mma.plan(32, 8192, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16, wgmma=True)[1] == 4
-    # the warp-specialized build's rings: 8 weight slots of 1 KB per warp, 4 x slots of one chunk
+    # the warp-specialized build's rings: 8 weight slots of 1 KB per warp, 4 x slots of one chunk; x's slots
+    # aligned to 1024 bytes where x comes by TMA (natural-order tiles, int4 g128), not for NVFP4
     cfg = wo_mma.MmaConfig(0, 0, 2, 128, False, "int", False, False, 8, warps=4, wgmma=True, ws=True, packed=True)
-    assert cfg.threads == 192 and wo_mma._smem(64, 32, cfg) == 8 * 4 * 1024 + 4 * 64 * 128 * 2
+    assert cfg.threads == 192 and cfg.xnat and wo_mma._smem(64, 32, cfg) == 8 * 4 * 1024 + 4 * 64 * 128 * 2 + 1024
+    fp4 = replace(cfg, fmt=1, sk=1, group=16)
+    assert not fp4.xnat and wo_mma._smem(64, 32, fp4) == 8 * 4 * 1024 + 4 * 64 * 128 * 2
     assert wo_mma._smem(64, 32, replace(cfg, cluster=2)) == wo_mma._smem(64, 32, cfg)  # partials fit the rings
 
 
@@ -423,7 +437,7 @@ def _wo_mma_case(name, m, n, k, dtype, seed):
 def _wo_mma_args(case, tiled):
     """wo_mma's positional arguments for ``case``: the weight's tiled words or its canonical ones."""
     sp = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=tiled)
-    w = quant_math.tile_words(case["weight"], sp.dtype.bits) if tiled else case["weight"]
+    w = quant_math.tile_weight(case["weight"], sp) if tiled else case["weight"]
     return (case["x"], w, case["weight_scale"], case["weight_global_scale"], case["weight_zero_point"],
             case["bias"], sp)
 
@@ -594,7 +608,7 @@ def test_gpu_mma_default_launch_policy(monkeypatch):
     streamed = {}
     for m, n, k in ((8, 4096, 4096), (8, 14336, 4096), (12, 8192, 8192), (16, 4096, 4096)):
         case = _gpu_case("int4_g128", m, n, k, torch.bfloat16, seed=4)
-        out = wo_mma.wo_mma(case["x"], quant_math.tile_words(case["weight"], 4), case["weight_scale"], None, None,
+        out = wo_mma.wo_mma(case["x"], quant_math.tile_weight(case["weight"], spec), case["weight_scale"], None, None,
                             case["bias"], spec)
         _check(out, case, k, f"M={m} {n}x{k} xs")
         cfg, split = launched[-1][0], launched[-1][3]
@@ -606,7 +620,7 @@ def test_gpu_mma_default_launch_policy(monkeypatch):
     for m, n, k in ((1, 4096, 4096), (8, 4096, 4096), (1, 14336, 4096), (8, 14336, 4096), (16, 4096, 4096),
                     (12, 8192, 8192), (8, 28672, 4096)):
         case = _gpu_case("int4_g128", m, n, k, torch.bfloat16, seed=3)
-        out = wo_mma.wo_mma(case["x"], quant_math.tile_words(case["weight"], 4), case["weight_scale"], None, None,
+        out = wo_mma.wo_mma(case["x"], quant_math.tile_weight(case["weight"], spec), case["weight_scale"], None, None,
                             case["bias"], spec)
         _check(out, case, k, f"M={m} {n}x{k}")
         cfg, split = launched[-1][0], launched[-1][3]
@@ -636,7 +650,7 @@ def test_gpu_act_order_sorted_runs_wo_mma():
         case = _gpu_case("int4_g32_actorder", m, n, k, torch.bfloat16, seed=30 + i)
         srt = sorted_case(case)
         spec = wg.parse_scheme_key(srt["scheme"]).weight
-        tiled = dict(srt, weight=quant_math.tile_words(srt["weight"], spec.dtype.bits),
+        tiled = dict(srt, weight=quant_math.tile_weight(srt["weight"], spec),
                      scheme=QuantScheme(replace(spec, tiled=True)).key)
         assert wo_mma.mma_reason(replace(spec, k_sorted=False), n, k) is None
         _check(torch.ops.qcompile.wo_linear(*op_args(tiled, "mma")), case, k, f"act-order sorted M={m}")
@@ -722,7 +736,7 @@ def test_gpu_ws_on_two_streams():
     ws_cases = [_gpu_case("int4_g128", 64, 4096, k, torch.bfloat16, seed=s) for s in (31, 32)]
     sk_cases = [_gpu_case("int4_g128", 4, 8192, k, torch.bfloat16, seed=s) for s in (33, 34)]
     spec = replace(wg.parse_scheme_key(ws_cases[0]["scheme"]).weight, tiled=True)
-    wts = [quant_math.tile_words(c["weight"], 4) for c in ws_cases + sk_cases]
+    wts = [quant_math.tile_weight(c["weight"], spec) for c in ws_cases + sk_cases]
 
     def call(i, c, **kw):
         return wo_mma.wo_mma(c["x"], wts[i], c["weight_scale"], None, None, c["bias"], spec, **kw)
@@ -818,7 +832,7 @@ def test_gpu_mma_pdl_chain(name, m, max_cluster, ws, trig):
     n = k = 4096
     case = _gpu_case(name, m, n, k, torch.bfloat16, seed=11)
     spec = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
-    w = quant_math.tile_words(case["weight"], spec.dtype.bits)
+    w = quant_math.tile_weight(case["weight"], spec)
 
     def chain(pdl):
         x = case["x"]
