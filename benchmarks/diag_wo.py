@@ -46,16 +46,20 @@ def rel(a, b):
     return round(((a - b).norm() / b.norm()).item(), 6)
 
 
+def with_bf16(shape, ms, g, res):
+    """(N, K, x per M) of ``shape`` ("NxK"), after timing bf16 F.linear at each M into ``res``."""
+    n, k = map(int, shape.split("x"))
+    xs = {m: torch.randn(m, k, device="cuda", generator=g).bfloat16() for m in ms}
+    wb = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(copies_for(2 * n * k))]
+    res[f"{shape} bf16"] = {m: timed([lambda w=w, x=xs[m]: F.linear(x, w) for w in wb], 20, 25, m) for m in ms}
+    print(shape, "bf16", res[f"{shape} bf16"], flush=True)
+    return n, k, xs
+
+
 def blocks(args, g, res):
     wo_mma.BLOCKED_MAX_M = dict.fromkeys(wo_mma.BLOCKED_MAX_M, 1 << 20)  # every M as blocks, for the crossover
     for shape in args.shapes:
-        n, k = map(int, shape.split("x"))
-        xs = {m: torch.randn(m, k, device="cuda", generator=g).bfloat16() for m in args.m}
-        wb = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(copies_for(2 * n * k))]
-        res[f"{shape} bf16"] = {m: timed([lambda w=w, x=xs[m]: F.linear(x, w) for w in wb], 20, 25, m)
-                                for m in args.m}
-        print(shape, "bf16", res[f"{shape} bf16"], flush=True)
-        del wb
+        n, k, xs = with_bf16(shape, args.m, g, res)
         for name in args.formats if shape == args.shapes[0] else args.formats[:2]:
             qs, sp = tiled_copies(FORMATS[name], n, k, g)
             x = xs[256] if 256 in xs else xs[args.m[0]]
@@ -123,13 +127,7 @@ def ab(args, g, res):
         return call
 
     for shape in args.shapes:
-        n, k = map(int, shape.split("x"))
-        xs = {m: torch.randn(m, k, device="cuda", generator=g).bfloat16() for m in args.ab_m}
-        wb = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(copies_for(2 * n * k))]
-        res[f"{shape} bf16"] = {m: timed([lambda w=w, x=xs[m]: F.linear(x, w) for w in wb], 20, 25, m)
-                                for m in args.ab_m}
-        print(shape, "bf16", res[f"{shape} bf16"], flush=True)
-        del wb
+        n, k, xs = with_bf16(shape, args.ab_m, g, res)
         for name in args.ab_formats:
             qs, sp = tiled_copies(FORMATS[name], n, k, g)
             for m in args.ab_m:

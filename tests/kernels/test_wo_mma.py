@@ -682,6 +682,24 @@ def test_gpu_act_order_sorted_runs_wo_mma():
     _check(got, ref_case, k, "loaded act-order layer")
 
 
+def _on_two_streams(call, reps):
+    """``call(i)`` queued ``reps`` times on each of two new streams i, behind a sleep kernel on both (so that their
+    launches do run concurrently); ([outputs of stream 0, of stream 1], the streams), synchronized."""
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for st in streams:
+        st.wait_stream(torch.cuda.current_stream())
+    for st in streams:
+        with torch.cuda.stream(st):
+            torch.cuda._sleep(50_000_000)  # ~25 ms: both queues fill before either runs
+    outs = [[], []]
+    for _ in range(reps):
+        for i, st in enumerate(streams):
+            with torch.cuda.stream(st):
+                outs[i].append(call(i))
+    torch.cuda.synchronize()
+    return outs, streams
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_mma_global_split_on_two_streams():
@@ -698,18 +716,7 @@ def test_gpu_mma_global_split_on_two_streams():
                              c["weight_zero_point"], c["bias"], spec, split=8, max_cluster=1)
 
     want = [call(c) for c in cases]
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    for s in streams:
-        with torch.cuda.stream(s):
-            torch.cuda._sleep(50_000_000)  # ~25 ms: both queues fill before either runs
-    outs = [[], []]
-    for _ in range(100):
-        for i, s in enumerate(streams):
-            with torch.cuda.stream(s):
-                outs[i].append(call(cases[i]))
-    torch.cuda.synchronize()
+    outs = _on_two_streams(lambda i: call(cases[i]), 100)[0]
     for i in range(2):
         _check(want[i], cases[i], k, f"stream {i}")
         assert all(torch.equal(o, want[i]) for o in outs[i]), f"stream {i}"
@@ -748,18 +755,7 @@ def test_gpu_ws_on_two_streams():
     _check(want[0][0], ws_cases[0], k, "ws")
     _check(want[0][1], sk_cases[0], k, "split-K")
     assert _counter_values(8192 // 16) == [0] * (8192 // 16)
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for st in streams:
-        st.wait_stream(torch.cuda.current_stream())
-    for st in streams:
-        with torch.cuda.stream(st):
-            torch.cuda._sleep(50_000_000)  # ~25 ms: both queues fill before either runs
-    outs = [[], []]
-    for _ in range(50):
-        for i, st in enumerate(streams):
-            with torch.cuda.stream(st):
-                outs[i].append(pair(i))
-    torch.cuda.synchronize()
+    outs, streams = _on_two_streams(pair, 50)
     for i, st in enumerate(streams):
         assert all(torch.equal(a, want[i][0]) and torch.equal(b, want[i][1]) for a, b in outs[i]), f"stream {i}"
         with torch.cuda.stream(st):
