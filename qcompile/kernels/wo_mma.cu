@@ -337,26 +337,24 @@ __device__ __forceinline__ void x_transform(u32 slot, u32 buf, int M) {
     const int m = (t & 7) + 8 * (t / (8 * UNITS)), u = (t >> 3) % UNITS;
     if (t < XTASKS) {
       U4 w[4];
+#if XNAT  // core matrix 4u + e is x's unit 4u + e: the transpose below undoes this one (registers only)
+      U4 n[4];
+#pragma unroll
+      for (int e = 0; e < 4; e++) n[e] = m < M ? ld_shared(slot + m * XROW + (4 * u + e) * 16) : U4{{0u, 0u, 0u, 0u}};
+#pragma unroll
+      for (int qq = 0; qq < 4; qq++) w[qq] = U4{{n[0].v[qq], n[1].v[qq], n[2].v[qq], n[3].v[qq]}};
+#else
 #pragma unroll
       for (int qq = 0; qq < 4; qq++) {
-#if XNAT  // core matrix 4u + qq is x's unit 4u + qq
-        w[qq] = m < M ? ld_shared(slot + m * XROW + (4 * u + qq) * 16) : U4{{0u, 0u, 0u, 0u}};
-#else
         const U4 v = m < M ? ld_shared(slot + m * XROW + qq * KPL * 2 + u * 16) : U4{{0u, 0u, 0u, 0u}};
         w[qq] = x_unit_order(v);  // pair e is decode<e>'s
-#endif
       }
+#endif
 #pragma unroll
       for (int e = 0; e < 4; e++)
-#if XNAT
-        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(buf + ((4 * u + e) * MT + (m >> 3)) * 128 +
-                                                                      (m & 7) * 16),
-                     "r"(w[e].v[0]), "r"(w[e].v[1]), "r"(w[e].v[2]), "r"(w[e].v[3]));
-#else
         asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(buf + ((4 * u + e) * MT + (m >> 3)) * 128 +
                                                                       (m & 7) * 16),
                      "r"(w[0].v[e]), "r"(w[1].v[e]), "r"(w[2].v[e]), "r"(w[3].v[e]));
-#endif
     }
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
