@@ -17,8 +17,9 @@
 //    its own words: the A fragment is decoded in registers with no shuffles, and x is stored in
 //    shared memory already in the matching order (canonical 4-bit words: byte-permuted once per CTA), padded so
 //    the 16-byte reads are conflict-free. x for the CTA's K range is loaded once, or (XS, sm_90) streamed
-//    through a ring of XSTAGES chunks per K part: one warp of each part refills it with cp.async, full /
-//    empty mbarriers per slot, so the CTA may take any K range (canonical 4-bit words: x reordered as read).
+//    through a ring of XSTAGES chunks per K part: one warp of each part refills it (cp.async, or on natural-order
+//    tiles TMA boxes of x's rows, read back with ldmatrix), full / empty mbarriers per slot, so the CTA may take
+//    any K range (canonical 4-bit words: x reordered as read).
 //  * Scales: per row in the epilogue (tensor / channel), per chunk after the MMA in fp32 (groups
 //    that cover a whole chunk, e.g. int4 g128), or multiplied into the decoded values before it
 //    (smaller groups: NVFP4 16, MX 32; exact for e2m1/e4m3 x fp8/e8m0 scales in bf16).
@@ -97,7 +98,7 @@ typedef unsigned short u16;
 #if RT > 1 && (WGMMA || WS)
 #error "RT > 1: the mma.sync build"
 #endif
-// XS (sm_90): the mma.sync build streams x through a ring of XSTAGES chunks per K part (cp.async,
+// XS (sm_90): the mma.sync build streams x through a ring of XSTAGES chunks per K part (cp.async or TMA,
 // mbarriers) instead of staging the CTA's whole x slice before the first MMA; its shared memory then no
 // longer grows with the K range, so a CTA may take all of K at M = 9..16.
 #ifndef XS
@@ -118,10 +119,11 @@ typedef unsigned short u16;
 #define X_ROW_MOD (BITS == 4 ? 2 : 1)
 // XNAT: tiled words in natural-x order (quant_math.tile_words, natural=True; tiles_natural: one scale per chunk).
 // Lane q's pair a of a chunk is k = 8a + 2q (+ 0, 1), the k where mma's B fragment of lane q takes x, so x is the
-// B operand in its natural order: the warp-specialized build loads it by TMA (no x_prep launch) and the lock-step
-// wgmma build copies its units as they are. The mma.sync builds keep each lane's 16-byte units in shared memory
-// (x_unit_off; one 16-byte read per unit): word q of x's unit 4u + i is word i of lane q's unit u, so their fills
-// scatter words (x_word_off).
+// B operand in its natural order: the warp-specialized build loads it by TMA (no x_prep launch), the lock-step
+// wgmma build copies its units as they are, and the streamed mma.sync build (XS) loads x's rows by TMA and reads
+// each B fragment pair with ldmatrix. The staged mma.sync build keeps each lane's 16-byte units in shared memory
+// (x_unit_off; one 16-byte read per unit, which at M <= 4 is fewer shared-memory wavefronts than ldmatrix's 8
+// rows): word q of x's unit 4u + i is word i of lane q's unit u, so its fill scatters words (x_word_off).
 #define XNAT (PACKED && (SMODE == SMODE_END || GROUP >= KPC))
 __device__ __forceinline__ constexpr int x_row_stride(int chunks) {
   const int u = chunks * X_CS / 16;
@@ -389,15 +391,39 @@ __device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
                  : "=r"(done) : "r"(a), "r"(parity) : "memory");
   } while (!done);
 }
+__device__ __forceinline__ void mbar_expect_tx(u32 a, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
+}
+#if XNAT
+// x[:, k0 : k0 + 64] straight into shared memory: the tensor map (wo_mma.py: _x_tensor_map) boxes 64 k (128 bytes)
+// x 8 MT tokens, 128-byte swizzled (16-byte unit j of row m at j ^ (m % 8) within 1024-byte atoms), tokens from M
+// on zeros. That is wgmma's K-major 128B-swizzle layout (wg_desc_sw128), and rows that ldmatrix reads without bank
+// conflicts (XS). A chunk is KPC / 64 boxes.
+#define XBOX (MT * 8 * 128)
+__device__ __forceinline__ void tma_load_x(u32 dst, const void* map, int k0, u32 bar, unsigned long long pol) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+               " [%0], [%1, {%2, %3}], [%4], %5;"
+               ::"r"(dst), "l"(map), "r"(k0), "r"(0), "r"(bar), "l"(pol) : "memory");
+}
+#endif
 #endif
 #if XS
-// The ring: slot `sl` of K part kp at (kp * XSTAGES + sl) * M rows of XRS bytes (one chunk, padded as the
-// staged slice: conflict-free). Its mbarriers (full: the producer warp's copies landed; empty: every active
-// tile group of the part has its x in registers) follow the ring and the regions that reuse its memory after the main loop
-// (the KW partials, the cluster's partials), so they stay valid to the end.
+// The ring: slot `sl` of K part kp at (kp * XSTAGES + sl) * XSLOT bytes: one chunk of M rows of XRS bytes (padded
+// as the staged slice: conflict-free 16-byte reads), or (XNAT) of x's natural rows as TMA writes them (MT * 8 rows,
+// 128-byte swizzled boxes, from a 1024-byte aligned base), read with ldmatrix. Its mbarriers (full: the producer
+// warp's copies landed; empty: every active tile group of the part has its x in registers) follow the ring and the
+// regions that reuse its memory after the main loop (the KW partials, the cluster's partials), so they stay valid
+// to the end.
 constexpr int XRS = x_row_stride(1);
+#if XNAT
+#define XSLOT(M) (MT * 8 * KPC * 2)
+#define XS_ALIGN 1024  // (slack for aligning the ring's base)
+#else
+#define XSLOT(M) ((M) * XRS)
+#define XS_ALIGN 0
+#endif
 __device__ __forceinline__ int xs_bar_offset(int M) {
-  int o = KW * XSTAGES * M * XRS;
+  int o = KW * XSTAGES * XSLOT(M) + XS_ALIGN;
 #if KW > 1
   o = max(o, (KW - 1) * TPC * MT * 32 * 16);
 #endif
@@ -406,24 +432,38 @@ __device__ __forceinline__ int xs_bar_offset(int M) {
 #endif
   return (o + 15) & ~15;
 }
+#if XNAT
+// Chunk `ch` of x into ring slot `slot` by the calling (producer) warp: lane 0's TMA boxes, counted in bytes on
+// mbarrier `full` (initialized to 1: lane 0's expect_tx).
+__device__ __forceinline__ void x_fill(u32 slot, u32 full, const TMap* map, int ch, unsigned long long pol) {
+  if ((threadIdx.x & 31) == 0) {
+    mbar_expect_tx(full, XSLOT(0));
+#pragma unroll
+    for (int b = 0; b < KPC / 64; b++) tma_load_x(slot + b * XBOX, map, ch * KPC + b * 64, full, pol);
+  }
+}
+// x units 4u .. 4u + 3 of token tile t of a chunk (slot `slot`), as X[t][u] (see the main loop): matrix i of the
+// ldmatrix is unit 4u + i of tokens 8t .. 8t + 7, whose rows lanes 8i .. 8i + 7 address (swizzled, see tma_load_x).
+__device__ __forceinline__ U4 x_ldmatrix(u32 slot, int t, int u) {
+  const int lane = threadIdx.x & 31, row = lane & 7, unit = 4 * u + (lane >> 3);
+  const u32 a = slot + (unit >> 3) * XBOX + (t * 8 + row) * 128 + (((unit & 7) ^ row) << 4);
+  U4 v;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.v[0]), "=r"(v.v[1]), "=r"(v.v[2]), "=r"(v.v[3]) : "r"(a));
+  return v;
+}
+#else
 // Chunk `ch` of x's M rows into ring slot `slot` by the calling (producer) warp: 16-byte cp.async copies, then
 // each lane's arrive on mbarrier `full` (initialized to 32) fires once its copies have landed.
 __device__ __forceinline__ void x_fill(u32 slot, u32 full, const u16* __restrict__ x, int M, int K, int ch) {
   constexpr int UPR = KPC / 8;  // 16-byte units per row
   for (int t = threadIdx.x & 31; t < M * UPR; t += 32) {
     const int m = t / UPR, wu = t % UPR;
-    const u16* src = x + (size_t)m * K + (size_t)ch * KPC + wu * 8;
-#if XNAT  // unit wu's words to their lanes' units (4-byte copies, L1-cached: the unit's sector serves all four)
-#pragma unroll
-    for (int qq = 0; qq < 4; qq++)
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(slot + m * XRS + x_word_off(wu, qq)),
-                   "l"(src + 2 * qq) : "memory");
-#else
-    cp_async16(slot + m * XRS + x_unit_off(wu), src);
-#endif
+    cp_async16(slot + m * XRS + x_unit_off(wu), x + (size_t)m * K + (size_t)ch * KPC + wu * 8);
   }
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
 }
+#endif
 #endif
 
 #if WS
@@ -434,24 +474,12 @@ __device__ __forceinline__ void x_fill(u32 slot, u32 full, const u16* __restrict
 // and release them (`empty`, every consumer thread arrives): a weight slot as soon as its words are
 // in registers, an x slot once the wgmmas that read it are done. No CTA barrier in the main loop.
 #define WSTAGE (WARPS * 1024)  // one chunk of 16 rows (2 x 32 lanes x 16 bytes) per warp
-__device__ __forceinline__ void mbar_expect_tx(u32 a, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
-}
 // global -> this CTA's shared memory, `bytes` (a multiple of 16) counted on mbarrier `bar`
 __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar, unsigned long long pol) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
 }
 #if XNAT
-// x[:, k0 : k0 + 64] straight into a B slot: the tensor map (wo_mma.py: _x_tensor_map) boxes 64 k (128 bytes) x
-// 8 MT tokens, 128-byte swizzled (16-byte unit j of row m at j ^ (m % 8) within 1024-byte atoms), tokens from M
-// on zeros. That is wgmma's K-major 128B-swizzle layout (wg_desc_sw128). A chunk is KPC / 64 boxes.
-#define XBOX (MT * 8 * 128)
-__device__ __forceinline__ void tma_load_x(u32 dst, const void* map, int k0, u32 bar, unsigned long long pol) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-               " [%0], [%1, {%2, %3}], [%4], %5;"
-               ::"r"(dst), "l"(map), "r"(k0), "r"(0), "r"(bar), "l"(pol) : "memory");
-}
 // Descriptor of a K-major, 128-byte-swizzled B tile at `addr` (1024-byte atoms of 8 tokens, 1024 bytes apart; the
 // k16 step's 32 bytes within the 128-byte row: the address moves by them, the swizzle follows the address bits).
 __device__ __forceinline__ unsigned long long wg_desc_sw128(u32 addr) {
@@ -691,7 +719,7 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
       const ZP_T* __restrict__ zp, const float* __restrict__ gs, const u16* __restrict__ bias,        \
       u16* __restrict__ out, float* __restrict__ part, int* __restrict__ counters, int M, int N, int K, \
       int ss, int cps WO_MMA_TAIL)
-#if WS && XNAT  // (the warp-specialized build on natural-order tiles: x's tensor map)
+#if (WS || XS) && XNAT  // (the builds that load x by TMA on natural-order tiles: x's tensor map)
 #define WO_MMA_TAIL , const __grid_constant__ TMap xmap
 #else
 #define WO_MMA_TAIL
@@ -757,16 +785,20 @@ WO_MMA_KERNEL {
 
 #if XS
   // this part's ring and barriers; its producer is the part's warp of tile group 0, which (if any is) is active
-  const u32 xring = smem_addr(xs) + kp * XSTAGES * M * XRS;
+  const u32 xring = (XS_ALIGN ? (smem_addr(xs) + XS_ALIGN - 1) & ~(u32)(XS_ALIGN - 1) : smem_addr(xs)) +
+                    kp * XSTAGES * XSLOT(M);
   const u32 xbars = smem_addr(xs) + xs_bar_offset(M);  // full [KW][XSTAGES], then empty [KW][XSTAGES]
   const u32 xfull = xbars + kp * XSTAGES * 8, xempty = xfull + KW * XSTAGES * 8;
   const bool producer = warp < KW && active;
   const int nsteps = w1 - w0;
   if (threadIdx.x < KW * XSTAGES) {
     const int groups = min(WARPS / KW, (N / 16 - (int)blockIdx.x * TPC + RT - 1) / RT);  // active groups
-    mbar_init(xbars + threadIdx.x * 8, 32);
+    mbar_init(xbars + threadIdx.x * 8, XNAT ? 1 : 32);
     mbar_init(xbars + (KW * XSTAGES + threadIdx.x) * 8, max(groups, 1));
   }
+#if XNAT
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // (visible to TMA's complete_tx)
+#endif
   __syncthreads();
 #endif
 
@@ -789,9 +821,18 @@ WO_MMA_KERNEL {
   x_transform(xstage, xbufs, M);
 #elif XS
   // the first XSTAGES chunks of this part, x in its natural order (see x_unit_order)
+#if XNAT
+  unsigned long long pol;  // (x stays in L2 for the other CTAs)
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+#define X_FILL(slot, ch) x_fill(xring + (slot) * XSLOT(M), xfull + 8 * (slot), &xmap, ch, pol)
+#else
+#define X_FILL(slot, ch) x_fill(xring + (slot) * XSLOT(M), xfull + 8 * (slot), x, M, K, ch)
+#endif
   if (producer)
-    for (int i = 0; i < XSTAGES && i < nsteps; i++) x_fill(xring + i * M * XRS, xfull + 8 * i, x, M, K, w0 + i);
+    for (int i = 0; i < XSTAGES && i < nsteps; i++) X_FILL(i, w0 + i);
+#if !XNAT
   const u32 xlane = xring + X_SEG(q);
+#endif
 #else
   // x[:, c0*KPC : c1*KPC] -> shared memory, in the order the MMA reads it (see X_SEG / X_ROW_MOD):
   // lane q's 16-byte units of a chunk are contiguous, 4-bit units of canonical words hold
@@ -916,11 +957,17 @@ WO_MMA_KERNEL {
           const int xi = ch - w0, xsl = xi % XSTAGES;
           mbar_wait(xfull + 8 * xsl, (xi / XSTAGES) & 1);
 #endif
+#if XS && XNAT
+#pragma unroll
+          for (int t = 0; t < MT; t++)
+#pragma unroll
+            for (int u = 0; u < UNITS; u++) X[t][u] = x_ldmatrix(xring + xsl * XSLOT(M), t, u);
+#else
 #pragma unroll
           for (int t = 0; t < MT; t++) {
             const int tok = t * 8 + r;
 #if XS
-            const u32 a = xlane + xsl * M * XRS + tok * XRS;
+            const u32 a = xlane + xsl * XSLOT(M) + tok * XRS;
 #else
             const u32 a = xlane + tok * rs + (ch - c0) * X_CS;
 #endif
@@ -930,6 +977,7 @@ WO_MMA_KERNEL {
               else X[t][u] = U4{{0u, 0u, 0u, 0u}};
             }
           }
+#endif
 #if XS
           // x of this chunk is in registers: release its slot; the producer refills the previous chunk's
           // slot (released by now unless a tile group lags) with the chunk XSTAGES after it
@@ -938,7 +986,7 @@ WO_MMA_KERNEL {
           if (producer && xi >= 1 && xi - 1 + XSTAGES < nsteps) {
             const int ps = (xi - 1) % XSTAGES;
             mbar_wait(xempty + 8 * ps, ((xi - 1) / XSTAGES) & 1);
-            x_fill(xring + ps * M * XRS, xfull + 8 * ps, x, M, K, ch - 1 + XSTAGES);
+            X_FILL(ps, ch - 1 + XSTAGES);
           }
 #endif
           // step k16's x: 4-bit, pairs (0,4) (1,5) of unit k16 / 2 or (2,6) (3,7); 8-bit, words 0-1 or 2-3

@@ -197,7 +197,8 @@ RT_MT = 2  # token tiles of the two-tile launch (from 3, 128 registers do not ho
 RT_WIDE_MIN_M = 6
 
 
-def rt_candidates(m: int, n: int, k: int, bits: int, sms: int, xs: bool = False) -> list[tuple[int, int, int]]:
+def rt_candidates(m: int, n: int, k: int, bits: int, sms: int, xs: bool = False,
+                  xnat: bool = False) -> list[tuple[int, int, int]]:
     """(CTAs, warps per tile, split) of the mma.sync build with two tiles per warp, 16 warps per CTA and
     one CTA per SM: every split up to MAX_CLUSTER whose CTAs fit in one wave, whose x slice fits
     RT_SMEM and whose warps stream at least 2 chunks each; most CTAs first, then fewer splits. ``xs`` (x
@@ -210,7 +211,7 @@ def rt_candidates(m: int, n: int, k: int, bits: int, sms: int, xs: bool = False)
             cps = -(-nch // split)
             if -(-nch // cps) != split or cols * split > sms:
                 continue
-            x = x_bytes(m, 1, bits, xstages=XS_SLOTS, xs_parts=kw) if xs else x_bytes(m, cps, bits)
+            x = x_bytes(m, 1, bits, xstages=XS_SLOTS, xs_parts=kw, xnat=xnat) if xs else x_bytes(m, cps, bits)
             if x <= RT_SMEM and cps >= 2 * kw:
                 out.append((cols * split, kw, split))
     return sorted(out, key=lambda c: (-c[0], c[2]))
@@ -240,8 +241,8 @@ def rt_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, max
     return None
 
 
-# x streamed (XS: a ring of XS_SLOTS chunks per K part, cp.async by one warp of each part, mbarriers) lets the
-# two-tile launch take a column's whole K range (no split, no reduction) at any M: the staged x slice no
+# x streamed (XS: a ring of XS_SLOTS chunks per K part filled by one warp of each part, cp.async or on natural-order
+# tiles TMA, mbarriers) lets the two-tile launch take a column's whole K range (no split, no reduction) at any M: the staged x slice no
 # longer has to fit. Taken on sm_90 for tiled weights at M = XS_MIN_M..16 where its first candidate fills at
 # least XS_MIN_FILL of the SMs, at one token tile or for 8-bit weights; int4 at two token tiles only where
 # each warp streams at least XS_MIN_CHUNKS chunks (the per-chunk ring handshake costs more than the staging
@@ -252,7 +253,13 @@ def rt_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, max
 # losses kept: MXFP8 at one token tile on 14336x4096 and 4096^2 (+0.5-1.1); left out: launches of 86 CTAs
 # (11008x4096: MXFP8 +1.2-1.4). With 4-bit words in pair order (v18: no x reordering) int4 at two token
 # tiles: 8192^2 M = 16 18.3 -> 17.1 (staged -> streamed, the layout change included), 14336x4096 16.5 -> 15.7,
-# 28672x8192 M = 12 48.9 -> 49.3 (kept), 4096x14336 (64 CTAs) left out.
+# 28672x8192 M = 12 48.9 -> 49.3 (kept), 4096x14336 (64 CTAs) left out. With TMA in place of 4-byte cp.async on
+# natural-order tiles (v21), base -> TMA: 8192^2 int4 M = 9 / 12 / 16 16.3-16.6 / 16.8 / 17.8-18.1 -> 15.1-15.4,
+# 28672x8192 M = 16 50.6-52.0 -> 46.4-46.7; wide weights at one token tile +0.5-0.9 (28672x8192 M = 8 45.5 -> 46.0).
+# That build then won or tied at two token tiles where the rules above kept x staged (int4 g128, M = 9..16):
+# 4096^2 M = 16 8.6 -> 7.5 (2 chunks per warp), 4096x14336 20.3 -> 17.1 (64 -> 128 CTAs: the TMA ring of 16
+# parts fits), 11008x4096 15.4 -> 13.4, 5120^2 11.1 -> 9.8; so int4 on natural-order tiles streams x there
+# wherever a candidate exists.
 XS_SLOTS = 3  # ring slots (chunks) per K part
 XS_MIN_M = 5
 XS_MIN_FILL = 0.8
@@ -262,11 +269,14 @@ XS_MIN_CHUNKS = 8
 @functools.lru_cache(maxsize=None)  # per call shape
 def xs_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, int], sms: int) -> bool:
     """Whether the default launch streams x (:func:`xs_launch`): tiled weights on sm_90 at M = XS_MIN_M..16
-    where the first candidate fills the GPU (see XS_MIN_FILL)."""
+    where the first candidate fills the GPU (see XS_MIN_FILL); int4 on natural-order tiles (x by TMA) at two
+    token tiles wherever there is a candidate."""
     if capability[0] != 9 or not spec.tiled or not XS_MIN_M <= m <= 16:
         return False
-    bits = spec.dtype.bits
-    cands = rt_candidates(m, n, k, bits, sms, xs=True)
+    bits, xnat = spec.dtype.bits, quant_math.tiles_natural(spec)
+    cands = rt_candidates(m, n, k, bits, sms, xs=True, xnat=xnat)
+    if cands and m > 8 and xnat and spec.dtype is QDtype.INT4:
+        return True
     if not cands or cands[0][0] < XS_MIN_FILL * sms:
         return False
     if m <= 8 or bits == 8:
@@ -276,7 +286,7 @@ def xs_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
 
 def xs_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device) -> tuple | None:
     """:func:`launch_plan` of the first candidate with x streamed (:func:`rt_candidates`); None if there is none."""
-    cands = rt_candidates(m, n, k, base.bits, _sm_count(device), xs=True)
+    cands = rt_candidates(m, n, k, base.bits, _sm_count(device), xs=True, xnat=base.xnat)
     if not cands:
         return None
     cfg = replace(base, warps=16, kw=cands[0][1], rt=2, minb=1, xstages=XS_SLOTS, xs=True)
@@ -670,12 +680,15 @@ def x_row_stride(chunks: int, bits: int) -> int:
     return (u + (mod - u % 8 + 8) % 8) * 16
 
 
-def x_bytes(m: int, chunks: int, bits: int, wgmma: bool = False, xstages: int = 4, xs_parts: int = 0) -> int:
+def x_bytes(m: int, chunks: int, bits: int, wgmma: bool = False, xstages: int = 4, xs_parts: int = 0,
+            xnat: bool = False) -> int:
     """Shared memory for the x rows of ``chunks`` chunks; wgmma: two B buffers and ``xstages``
     staging slots of one chunk each (whole 8-token groups), whatever the K range; ``xs_parts`` (the
-    mma.sync build with x streamed): a ring of ``xstages`` chunks for each of that many K parts."""
+    mma.sync build with x streamed): a ring of ``xstages`` chunks for each of that many K parts (``xnat``:
+    whole 8-token groups as TMA writes them, from a 1024-byte aligned base)."""
     if xs_parts:
-        return xs_parts * xstages * m * x_row_stride(1, bits)
+        slot = -(-m // 8) * 8 * KPC[bits] * 2 if xnat else m * x_row_stride(1, bits)
+        return xs_parts * xstages * slot + 1024 * xnat
     if wgmma:
         rows = -(-m // 8) * 8
         return 2 * rows * KPC[bits] * 2 + xstages * rows * (KPC[bits] * 2 + 16)
@@ -793,7 +806,7 @@ def _smem(m: int, cps: int, cfg: MmaConfig) -> int:
     if cfg.ws:  # the rings: slots of one chunk of every consumer warp's 16 rows, and of x (xnat: 1024-byte aligned)
         smem = cfg.nstg * cfg.warps * 1024 + cfg.xstages * cfg.mt * 8 * KPC[cfg.bits] * 2 + 1024 * cfg.xnat
     else:
-        smem = x_bytes(m, cps, cfg.bits, cfg.wgmma, cfg.xstages, cfg.kw if cfg.xs else 0)
+        smem = x_bytes(m, cps, cfg.bits, cfg.wgmma, cfg.xstages, cfg.kw if cfg.xs else 0, cfg.xnat)
     if cfg.kw > 1:  # the other warps' partials of each tile reuse x's shared memory
         smem = max(smem, (cfg.warps - cfg.warps // cfg.kw) * cfg.rt * cfg.mt * 512)
     if cfg.cluster > 1:  # the partials reuse x's shared memory: [M][tile rows] fp32
@@ -981,7 +994,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     w = weight.contiguous().view(torch.int32)
     dummy = out
     tail = []
-    if ws and cfg.xnat:  # x loaded as it is by TMA (wo_mma.cu: XNAT)
+    if (ws or cfg.xs) and cfg.xnat:  # x loaded as it is by TMA (wo_mma.cu: XNAT)
         tail = [_x_tensor_map(x2, mt * 8)]
     elif ws:  # x as the B operand, chunk by chunk (wo_mma.cu: x_prep)
         kpc = KPC[cfg.bits]

@@ -129,20 +129,29 @@ def test_tile_sharing_plan():
     assert wo_mma._smem(1, 1, replace(cfg, rt=2)) == (16 - 2) * 2 * 2 * 512
     assert wo_mma._smem(16, 4, replace(cfg, kw=1, rt=2, cluster=8)) == 16 * 32 * 16 * 4 > wo_mma.x_bytes(16, 4, 4)
     # x streamed: a ring of xstages chunks (rows padded to 288 bytes) per K part, whatever the K range, then
-    # a full and an empty mbarrier per slot
+    # a full and an empty mbarrier per slot; on natural-order tiles (g128 here) whole 8-token groups of 256-byte
+    # rows as TMA writes them, from a 1024-byte aligned base
     ring = 8 * 4 * 16 * 288
     assert wo_mma.x_bytes(16, 64, 4, xstages=4, xs_parts=8) == wo_mma.x_bytes(16, 1, 4) * 8 * 4 == ring
-    assert wo_mma._smem(16, 64, replace(cfg, cluster=2, xs=True)) == ring + 16 * 8 * 4
-    assert wo_mma._smem(16, 2, replace(cfg, cluster=2, xs=True)) == ring + 16 * 8 * 4
-    assert wo_mma._smem(1, 3, replace(cfg, kw=2, rt=2, xs=True, xstages=3)) == (16 - 8) * 2 * 2 * 512 + 16 * 2 * 3
+    g32 = replace(cfg, smode=2, group=32)
+    assert cfg.xnat and not g32.xnat
+    assert wo_mma._smem(16, 64, replace(g32, cluster=2, xs=True)) == ring + 16 * 8 * 4
+    assert wo_mma._smem(16, 2, replace(g32, cluster=2, xs=True)) == ring + 16 * 8 * 4
+    nat = 8 * 4 * 16 * 256 + 1024
+    assert wo_mma.x_bytes(16, 64, 4, xstages=4, xs_parts=8, xnat=True) == nat
+    assert wo_mma.x_bytes(9, 64, 4, xstages=4, xs_parts=8, xnat=True) == nat  # (rows 9..15 zeros from TMA)
+    assert wo_mma._smem(16, 64, replace(cfg, cluster=2, xs=True)) == nat + 16 * 8 * 4
+    assert wo_mma._smem(1, 3, replace(g32, kw=2, rt=2, xs=True, xstages=3)) == (16 - 8) * 2 * 2 * 512 + 16 * 2 * 3
 
 
 def test_x_streamed_candidates_and_policy():
     """rt_candidates with x streamed: no split, the ring (not the K range) within RT_SMEM, most CTAs first; xs_default: tiled
     weights on sm_90 at M = 5..16 where the first candidate fills 80% of the SMs; at two token tiles int4 only
-    where each warp streams >= 8 chunks, e2m1 not (the H100 A/Bs of v17, v18)."""
+    where each warp streams >= 8 chunks, e2m1 not (the H100 A/Bs of v17, v18); int4 on natural-order tiles (x by
+    TMA) at two token tiles wherever there is a candidate (v21)."""
     assert wo_mma.rt_candidates(16, 8192, 8192, 4, 132, xs=True)[:2] == [(128, 8, 1), (64, 4, 1)]  # staged: 278 KB
     assert wo_mma.rt_candidates(16, 4096, 14336, 4, 132, xs=True)[0] == (64, 8, 1)  # kw 16: a 221 KB ring
+    assert wo_mma.rt_candidates(16, 4096, 14336, 4, 132, xs=True, xnat=True)[0] == (128, 16, 1)  # TMA: 193 KB
     assert wo_mma.rt_candidates(16, 4096, 14336, 8, 132, xs=True)[0] == (128, 16, 1)
     for m, n, k, bits in ((16, 8192, 8192, 4), (6, 28672, 8192, 8), (12, 4096, 4096, 4)):
         for ctas, kw, split in wo_mma.rt_candidates(m, n, k, bits, 132, xs=True):
@@ -155,8 +164,9 @@ def test_x_streamed_candidates_and_policy():
     assert all(xs(name, m, 8192, 8192) for name in ("int4_g128", "int8_channel_packed", "mxfp8") for m in (5, 8, 16))
     assert xs("nvfp4", 8, 8192, 8192) and not xs("nvfp4", 9, 8192, 8192)  # 4-bit e2m1 at two token tiles
     assert xs("int4_g128", 8, 14336, 4096) and xs("int4_g128", 12, 14336, 4096)  # 112 CTAs, 8 chunks per warp
-    assert xs("int4_g128", 16, 28672, 8192) and not xs("int4_g128", 16, 4096, 14336)  # 112 CTAs; 64
-    assert not xs("int4_g128", 12, 4096, 4096) and xs("int8_channel_packed", 12, 4096, 4096)  # 2 chunks per warp
+    assert xs("int4_g128", 16, 28672, 8192) and xs("int4_g128", 16, 4096, 14336)  # 112 CTAs; 128 (the TMA ring)
+    assert xs("int4_g128", 12, 4096, 4096) and xs("int8_channel_packed", 12, 4096, 4096)  # 2 chunks per warp
+    assert not xs("int4_g32", 12, 4096, 4096) and not xs("int4_g64", 16, 4096, 14336)  # (old tiles: cp.async)
     assert not xs("int8_channel_packed", 8, 11008, 4096)  # 86 CTAs
     assert not any((xs("int4_g128", 4, 8192, 8192), xs("int4_g128", 17, 8192, 8192),
                     xs("int4_g128", 8, 8192, 8192, (10, 0)), xs("int4_g128", 8, 8192, 8192, tiled=False)))
@@ -599,8 +609,9 @@ def test_gpu_mma_default_launch_policy(monkeypatch):
     they plan (minb), plans reduced through global memory are not. At M = 9..16 two tiles per warp, one
     16-warp CTA per SM: 4096^2 M = 16 without a split (16 warps per tile), 8192^2 M = 12 with 4 per tile
     and a split of 2 in a cluster; wide weights from M = 6 (28672x4096 M = 8). That is the policy with x
-    staged; with x streamed (xs_default) the launches from M = 5 where the GPU is filled take two tiles per
-    warp and no split. Every launch matches the reference."""
+    staged; with x streamed (xs_default) the launches from M = 5 where the GPU is filled, and int4 g128 (x by TMA)
+    at M = 9..16 wherever a candidate exists, take two tiles per warp and no split. Every launch matches the
+    reference."""
     spec = replace(SPECS["int4_g128"], tiled=True)
     launched = []
     default = wo_mma.default_launch
@@ -614,7 +625,7 @@ def test_gpu_mma_default_launch_policy(monkeypatch):
         cfg, split = launched[-1][0], launched[-1][3]
         streamed[(m, n)] = (cfg.xs, cfg.kw, cfg.rt, split)
     assert streamed == {(8, 4096): (True, 16, 2, 1), (8, 14336): (True, 4, 2, 1), (12, 8192): (True, 8, 2, 1),
-                        (16, 4096): (False, 16, 2, 1)}
+                        (16, 4096): (True, 16, 2, 1)}
     monkeypatch.setattr(wo_mma, "xs_default", lambda *a: False)
     chosen = {}
     for m, n, k in ((1, 4096, 4096), (8, 4096, 4096), (1, 14336, 4096), (8, 14336, 4096), (16, 4096, 4096),
@@ -682,6 +693,11 @@ def test_gpu_act_order_sorted_runs_wo_mma():
     _check(got, ref_case, k, "loaded act-order layer")
 
 
+# x streamed at two token tiles, no split: at K = 4096 each of the 8 K parts refills its 3 ring slots (int4 g128: by
+# TMA, natural-order tiles)
+XS16 = dict(xs=True, rt=2, kw=8, warps=16, xstages=3, split=1)
+
+
 def _on_two_streams(call, reps):
     """``call(i)`` queued ``reps`` times on each of two new streams i, behind a sleep kernel on both (so that their
     launches do run concurrently); ([outputs of stream 0, of stream 1], the streams), synchronized."""
@@ -735,29 +751,32 @@ def _counter_values(n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (wgmma)")
-def test_gpu_ws_on_two_streams():
-    """The warp-specialized build (x staged by TMA from the tensor map of each call's x) on two streams at once,
-    each alternating it (M = 64) with a split-K call reduced through global memory: every call gives its
-    serial result bit for bit, and each stream's split-K counters end at zero."""
+def test_gpu_tma_x_on_two_streams():
+    """The builds that load x by TMA from the tensor map of each call's x (warp-specialized, M = 64; x streamed,
+    M = 16) on two streams at once, each alternating them with a split-K call reduced through global memory:
+    every call gives its serial result bit for bit, and each stream's split-K counters end at zero."""
     k = 4096
     ws_cases = [_gpu_case("int4_g128", 64, 4096, k, torch.bfloat16, seed=s) for s in (31, 32)]
     sk_cases = [_gpu_case("int4_g128", 4, 8192, k, torch.bfloat16, seed=s) for s in (33, 34)]
+    xs_cases = [_gpu_case("int4_g128", 16, 4096, k, torch.bfloat16, seed=s) for s in (35, 36)]
     spec = replace(wg.parse_scheme_key(ws_cases[0]["scheme"]).weight, tiled=True)
-    wts = [quant_math.tile_weight(c["weight"], spec) for c in ws_cases + sk_cases]
+    wts = [quant_math.tile_weight(c["weight"], spec) for c in ws_cases + sk_cases + xs_cases]
 
     def call(i, c, **kw):
         return wo_mma.wo_mma(c["x"], wts[i], c["weight_scale"], None, None, c["bias"], spec, **kw)
 
     def pair(s):
-        return (call(s, ws_cases[s], ws=True, warps=8), call(2 + s, sk_cases[s], split=8, max_cluster=1))
+        return (call(s, ws_cases[s], ws=True, warps=8), call(2 + s, sk_cases[s], split=8, max_cluster=1),
+                call(4 + s, xs_cases[s], **XS16))
 
     want = [pair(s) for s in (0, 1)]
     _check(want[0][0], ws_cases[0], k, "ws")
     _check(want[0][1], sk_cases[0], k, "split-K")
+    _check(want[0][2], xs_cases[0], k, "xs")
     assert _counter_values(8192 // 16) == [0] * (8192 // 16)
     outs, streams = _on_two_streams(pair, 50)
     for i, st in enumerate(streams):
-        assert all(torch.equal(a, want[i][0]) and torch.equal(b, want[i][1]) for a, b in outs[i]), f"stream {i}"
+        assert all(all(map(torch.equal, got, want[i])) for got in outs[i]), f"stream {i}"
         with torch.cuda.stream(st):
             assert _counter_values(8192 // 16) == [0] * (8192 // 16), f"stream {i}"
 
@@ -814,17 +833,20 @@ def test_gpu_mma_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("name", ["int4_g128", "nvfp4"])
-@pytest.mark.parametrize("m,max_cluster,ws", [(1, 1, None), (16, 8, None), (5, 8, None), (28, 8, None),
-                                               (64, 8, True), (17, 1, True)])
+@pytest.mark.parametrize("m,max_cluster,launch", [(1, 1, {}), (16, 8, {}), (5, 8, {}), (28, 8, {}),
+                                                   (64, 8, dict(ws=True)), (17, 1, dict(ws=True)), (16, 8, XS16)],
+                         ids=str)
 @pytest.mark.parametrize("trig", [False, True])
-def test_gpu_mma_pdl_chain(name, m, max_cluster, ws, trig):
+def test_gpu_mma_pdl_chain(name, m, max_cluster, launch, trig):
     """Each call's input is the previous call's output (back to back, or through another kernel),
     captured in one CUDA graph: with programmatic dependent launch the kernel must still wait for
     its input, so the chain equals the one launched without it, bit for bit, and eager; also when
     the next call may launch from the start of this one (``trig``). ``ws``: the warp-specialized build, whose
-    x warp stages x by TMA once the previous kernel has completed (no x_prep launch in between)."""
-    if ws and not _sm90():
-        pytest.skip("needs an sm_90 GPU (wgmma)")
+    x warp stages x by TMA once the previous kernel has completed (no x_prep launch in between); ``xs``: x
+    streamed in the mma.sync build, on natural-order tiles by TMA from its producer warps (M = 5 streams x by
+    default at this shape)."""
+    if launch and not _sm90():
+        pytest.skip("needs an sm_90 GPU (wgmma, mbarriers)")
     n = k = 4096
     case = _gpu_case(name, m, n, k, torch.bfloat16, seed=11)
     spec = replace(wg.parse_scheme_key(case["scheme"]).weight, tiled=True)
@@ -834,7 +856,7 @@ def test_gpu_mma_pdl_chain(name, m, max_cluster, ws, trig):
         x = case["x"]
         for i in range(9):
             y = wo_mma.wo_mma(x, w, case["weight_scale"], case["weight_global_scale"], case["weight_zero_point"],
-                              None, spec, max_cluster=max_cluster, pdl=pdl, trig=trig, ws=ws)
+                              None, spec, max_cluster=max_cluster, pdl=pdl, trig=trig, **launch)
             x = y if i % 3 else y / y.float().norm(dim=-1, keepdim=True).clamp_min(1e-6).bfloat16() * 64
         return x
 
