@@ -405,6 +405,15 @@ __device__ __forceinline__ void tma_load_x(u32 dst, const void* map, int k0, u32
                " [%0], [%1, {%2, %3}], [%4], %5;"
                ::"r"(dst), "l"(map), "r"(k0), "r"(0), "r"(bar), "l"(pol) : "memory");
 }
+// Chunk `ch` of x into `slot` (one chunk of MT * 8 rows) by lane 0 of the calling warp, counted in bytes on mbarrier
+// `full` (lane 0's expect_tx is its one arrival).
+__device__ __forceinline__ void tma_fill_x(u32 slot, u32 full, const TMap* map, int ch, unsigned long long pol) {
+  if ((threadIdx.x & 31) == 0) {
+    mbar_expect_tx(full, MT * 8 * KPC * 2);
+#pragma unroll
+    for (int b = 0; b < KPC / 64; b++) tma_load_x(slot + b * XBOX, map, ch * KPC + b * 64, full, pol);
+  }
+}
 #endif
 #endif
 #if XS
@@ -432,16 +441,7 @@ __device__ __forceinline__ int xs_bar_offset(int M) {
 #endif
   return (o + 15) & ~15;
 }
-#if XNAT
-// Chunk `ch` of x into ring slot `slot` by the calling (producer) warp: lane 0's TMA boxes, counted in bytes on
-// mbarrier `full` (initialized to 1: lane 0's expect_tx).
-__device__ __forceinline__ void x_fill(u32 slot, u32 full, const TMap* map, int ch, unsigned long long pol) {
-  if ((threadIdx.x & 31) == 0) {
-    mbar_expect_tx(full, XSLOT(0));
-#pragma unroll
-    for (int b = 0; b < KPC / 64; b++) tma_load_x(slot + b * XBOX, map, ch * KPC + b * 64, full, pol);
-  }
-}
+#if XNAT  // (the ring is filled by tma_fill_x)
 // x units 4u .. 4u + 3 of token tile t of a chunk (slot `slot`), as X[t][u] (see the main loop): matrix i of the
 // ldmatrix is unit 4u + i of tokens 8t .. 8t + 7, whose rows lanes 8i .. 8i + 7 address (swizzled, see tma_load_x).
 __device__ __forceinline__ U4 x_ldmatrix(u32 slot, int t, int u) {
@@ -824,7 +824,7 @@ WO_MMA_KERNEL {
 #if XNAT
   unsigned long long pol;  // (x stays in L2 for the other CTAs)
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-#define X_FILL(slot, ch) x_fill(xring + (slot) * XSLOT(M), xfull + 8 * (slot), &xmap, ch, pol)
+#define X_FILL(slot, ch) tma_fill_x(xring + (slot) * XSLOT(M), xfull + 8 * (slot), &xmap, ch, pol)
 #else
 #define X_FILL(slot, ch) x_fill(xring + (slot) * XSLOT(M), xfull + 8 * (slot), x, M, K, ch)
 #endif
@@ -1156,12 +1156,7 @@ WO_MMA_KERNEL {
     for (int i = 0; i < nc; i++) {  // the whole warp waits, lane 0 copies
       const int st = i % XSTAGES;
       if (i >= XSTAGES) mbar_wait(xempty + 8 * st, ((i / XSTAGES) - 1) & 1);
-      if (lane == 0) {
-        mbar_expect_tx(xfull + 8 * st, XBUF);
-#pragma unroll
-        for (int b = 0; b < KPC / 64; b++)
-          tma_load_x(xring + st * XBUF + b * XBOX, &xmap, (c0 + i) * KPC + b * 64, xfull + 8 * st, pol);
-      }
+      tma_fill_x(xring + st * XBUF, xfull + 8 * st, &xmap, c0 + i, pol);
       __syncwarp();
     }
 #else
