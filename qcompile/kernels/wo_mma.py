@@ -70,6 +70,12 @@ SM90_MAX_M_INT4 = 96
 # everywhere), MXFP8 from M = 49 (7 tiles; 8192^2 53.4 -> 49.3, 28672x8192 147.5 -> 116; 14336x4096
 # 4-5 us slower, the one loss). int4 runs it up to M = 128.
 WS_MIN_M = {QDtype.INT4: 12, QDtype.FP4_E2M1: 12, QDtype.INT8: 57, QDtype.FP8_E4M3: 49}
+# 8-bit weights wide enough for one column per SM (_wide) take it from this M (above the two-tile mma.sync build),
+# with 2 warpgroups and one CTA per SM up to M = 64 (ws_launch). H100, 28672x8192, us, before -> after (v21):
+# int8 channel M = 17 / 32 / 56 / 64 96.5 / 98.3 / 106.5 / 110.0 -> 84.3 / 85.1 / 87.0 / 91.4, MXFP8 106.4 / 113.0 /
+# 117.4 / 123.7 -> 99.2 / 98.5 / 112.6 / 113.1 (the lock-step build ran M = 25..56 / 48 there, the warp-specialized
+# one with 4 warpgroups below and above).
+WS_WIDE_MIN_M_8BIT = 17
 # Below WS_MIN_M, weights wide enough for its one-column-per-SM launch (ws_launch: 16 warps, no
 # split) still take the warp-specialized build when the mma.sync build's x slice (all M rows of its
 # CTA's K range, staged before the first MMA) would leave fewer than 4 of its CTAs (32 warps) on an SM.
@@ -97,12 +103,14 @@ def ws_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
     with two tiles per warp runs (:func:`rt_default`)."""
     if capability[0] != 9 or not spec.tiled or m > WGMMA_MAX_M or rt_default(spec, m, n, k, capability, sms):
         return False
+    if spec.dtype.bits == 8 and m >= WS_WIDE_MIN_M_8BIT and _wide(n, sms):
+        return True
     return m >= WS_MIN_M[spec.dtype] or _ws_wide(spec, m, n, k, sms)
 
 
 def _ws_wide(spec: WeightSpec, m: int, n: int, k: int, sms: int) -> bool:
     """Wide weights below WS_MIN_M whose mma.sync x slice would crowd out the warp-specialized build."""
-    if m >= WGMMA_MIN_M or ws_launch(m, n, sms) != (16, 1):  # (8-bit M = 25..56: the lock-step build)
+    if m >= WGMMA_MIN_M or not _wide(n, sms):  # (8-bit M = 25..56: the lock-step build or WS_WIDE_MIN_M_8BIT)
         return False
     bits = spec.dtype.bits
     return x_bytes(m, _mma_plan(m, n, k, bits, sms)[2], bits) > SM90_SMEM_PER_SM // 4
@@ -225,7 +233,7 @@ def rt_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
     if capability[0] != 9 or not spec.tiled or -(-m // 8) > RT_MT:
         return False
     if -(-m // 8) < RT_MT and not (_ws_wide(spec, m, n, k, sms)
-                                    or (m >= RT_WIDE_MIN_M and ws_launch(m, n, sms) == (16, 1))):
+                                    or (m >= RT_WIDE_MIN_M and _wide(n, sms))):
         return False
     return bool(rt_candidates(m, n, k, spec.dtype.bits, sms))
 
@@ -306,14 +314,29 @@ def trig_default(tiled: bool, wgmma: bool, ws: bool, m: int, k: int) -> bool:
     return tiled and not wgmma
 
 
-def ws_launch(m: int, n: int, sms: int) -> tuple[int, int]:
-    """(consumer warps per CTA, CTAs per SM) of the warp-specialized build on the H100's sweep
-    (docs/kernels-wo.md, v9): above M = 64, 2 warpgroups and one CTA per SM; otherwise 4 warpgroups
-    (256 rows) when N gives most SMs a column without a split (N = 28672: up to 1.2x faster there),
-    else one warpgroup and 2 CTAs per SM."""
+def _wide(n: int, sms: int) -> bool:
+    """N gives most SMs a 16-warp column (256 rows) without a split."""
+    return n >= 192 * sms
+
+
+def ws_launch(m: int, n: int, sms: int, dtype: QDtype | None = None) -> tuple[int, int]:
+    """(consumer warps per CTA, CTAs per SM) of the warp-specialized build on the H100's sweeps. 4-bit
+    weights (and no ``dtype``; docs/kernels-wo.md, v9): above M = 64, 2 warpgroups and one CTA per SM;
+    otherwise 4 warpgroups (256 rows) when N gives most SMs a column without a split (N = 28672: up to 1.2x
+    faster there), else one warpgroup and 2 CTAs per SM. 8-bit weights (v21, 4 shapes, M = 17..128, us): up to
+    M = 64, 2 warpgroups on wide weights (see WS_WIDE_MIN_M_8BIT) and MXFP8 4 warpgroups elsewhere (8192^2 M = 56 /
+    64 50.6 / 50.6 -> 42.8 / 44.2, 14336x4096 45.6 / 47.2 -> 33.6 / 34.5, 4096x14336 46.2 / 47.3 -> 41.0 / 43.8);
+    above, int8 one warpgroup and 2 CTAs per SM (8192^2 M = 96 / 128 33.8 / 37.0 -> 30.9 / 34.3, 28672x8192
+    123.2 / 136.7 -> 116.2 / 131.3, 14336x4096 32.2 / 35.2 -> 27.9 / 31.3, 4096x14336 38.0 / 41.4 -> 34.3 / 37.5;
+    MXFP8 there won 6 of 8 cells and lost 2 by 3-6 us, so it keeps 2 warpgroups)."""
+    if dtype is not None and dtype.bits == 8:
+        if m <= 64:
+            return (8, 1) if _wide(n, sms) else (16, 1) if dtype is QDtype.FP8_E4M3 else (4, 2)
+        if dtype is QDtype.INT8:
+            return 4, 2
     if m > 64:
         return 8, 1
-    if n >= 192 * sms:
+    if _wide(n, sms):
         return 16, 1
     return 4, 2
 
@@ -912,7 +935,7 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     ``QCOMPILE_PDL=0``). ``xstages`` / ``minb``: x chunks in flight and CTAs per SM (wgmma).
     ``ws``: the warp-specialized wgmma build (default: :func:`ws_default`; tiled weights; ``warps``
     consumer warps plus two producers, ``nstg`` weight and ``xstages`` x slots; launch:
-    :func:`ws_launch`; x loaded by TMA from x itself on natural-order tiles (quant_math.tiles_natural), else
+    :func:`ws_launch`, another ``warps`` one CTA per SM unless ``warps_per_sm`` says; x loaded by TMA from x itself on natural-order tiles (quant_math.tiles_natural), else
     rearranged first by the ``x_prep`` kernel). ``trig``: with PDL, let the next
     kernel launch from this one's start (default: :func:`trig_default`). ``kw``: mma.sync build, warps
     sharing each 16-row tile (default 1; for tiled weights with the launch left to it,
@@ -934,7 +957,9 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
         if not packed or cap[0] != 9 or m > WGMMA_MAX_M:
             raise ValueError(f"wo_mma: the warp-specialized build streams tiled weights on an sm_90 GPU, M <= "
                              f"{WGMMA_MAX_M}; have tiled={packed}, sm_{cap[0]}{cap[1]}, M = {m}")
-        d_warps, d_per_sm = ws_launch(m, n, sms)
+        d_warps, d_per_sm = ws_launch(m, n, sms, spec.dtype)
+        if warps and warps != d_warps:  # a caller's CTA size: one CTA per SM (its registers always suffice)
+            d_per_sm = 1
         warps = warps or d_warps
         if warps_per_sm is None:
             warps_per_sm, minb = d_per_sm * warps, max(minb, d_per_sm)

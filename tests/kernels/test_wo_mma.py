@@ -258,10 +258,12 @@ def test_wgmma_selection_and_shared_memory():
     assert not any(ws(name, m, n=n, k=k) for name in ("int4_g128", "nvfp4") for m in range(1, 12)
                    for n, k in ((8192, 8192), (28672, 4096), (4096, 14336), (14336, 4096), (8192, 28672)))
     # 8-bit weights the same way below the lock-step build's M = 25 (N = 28672 from M = 8, 65 KB; N = 57344
-    # at M = 4, 5 and from 8); M = 25..56 (int8) stays on the lock-step build. Two tiles per warp take M up
-    # to 16 as above, at N = 57344 only up to M = 12 (from 13 the x slice of an unsplit K is over RT_SMEM)
-    assert [m for m in range(1, 57) if ws("int8_channel_packed", m, n=28672)] == list(range(17, 25))
-    assert [m for m in range(1, 49) if ws("mxfp8", m, n=57344)] == list(range(13, 25))
+    # at M = 4, 5 and from 8), and wide ones from M = 17 all the way (WS_WIDE_MIN_M_8BIT: the lock-step build
+    # lost there, v21). Two tiles per warp take M up to 16 as above, at N = 57344 only up to M = 12 (from 13 the
+    # x slice of an unsplit K is over RT_SMEM)
+    assert [m for m in range(1, 57) if ws("int8_channel_packed", m, n=28672)] == list(range(17, 57))
+    assert [m for m in range(1, 49) if ws("mxfp8", m, n=57344)] == list(range(13, 49))
+    assert not any(ws(name, m, n=14336, k=4096) for name in ("int8_channel_packed", "mxfp8") for m in range(17, 49))
     rt = wo_mma.rt_default
     assert [m for m in range(1, 40) if rt(tiled["int4_g128"], m, 8192, 8192, (9, 0), 132)] == list(range(9, 17))
     assert not any(rt(spec, 16, 8192, 8192, cap, 132) for spec, cap in ((SPECS["int4_g128"], (9, 0)),
@@ -278,6 +280,14 @@ def test_wgmma_selection_and_shared_memory():
     # its launch: 2 warpgroups above M = 64; 4 when N fills most SMs without a split; else 1, 2 per SM
     assert [wo_mma.ws_launch(m, n, 132) for m, n in ((12, 8192), (64, 8192), (64, 28672), (65, 28672), (128, 4096))] \
         == [(4, 2), (4, 2), (16, 1), (8, 1), (8, 1)]
+    assert wo_mma.ws_launch(64, 8192, 132, QDtype.INT4) == (4, 2)
+    # 8-bit weights (v21): 2 warpgroups on wide weights up to M = 64, MXFP8 4 elsewhere; int8 above M = 64 one
+    # warpgroup, 2 CTAs per SM
+    launches = {dt: [wo_mma.ws_launch(m, n, 132, dt) for m, n in ((17, 28672), (64, 28672), (64, 8192), (65, 8192),
+                                                                   (128, 28672))]
+                for dt in (QDtype.INT8, QDtype.FP8_E4M3)}
+    assert launches == {QDtype.INT8: [(8, 1), (8, 1), (4, 2), (4, 2), (4, 2)],
+                        QDtype.FP8_E4M3: [(8, 1), (8, 1), (16, 1), (8, 1), (8, 1)]}
     assert {wo_mma.max_m(SPECS[name], cap) for name in MMA_NAMES for cap in ((8, 0), (10, 0), (12, 0))} == {32}
     # launch: 16 warps, one CTA per SM; 8 for 4-bit weights above M = 64 (16 spilled there)
     assert [wo_mma.wgmma_launch(4, m) for m in (25, 64, 65, 128)] == [(16, 16), (16, 16), (8, 8), (8, 8)]
