@@ -61,7 +61,8 @@ WGMMA_MAX_M = 128  # 16 token tiles (m64 n128 k16); what wo_mma(..., wgmma=True)
 SM90_MAX_M_INT4 = 96
 # The warp-specialized wgmma build (producer warps filling mbarrier rings with bulk copies, x
 # rearranged once per call by x_prep, or loaded by TMA on natural-order tiles) for tiled weights on sm_90 from
-# this M, by weight type (measured with x_prep: not retuned for the TMA path, docs/kernels-wo.md v20). 4-bit
+# this M, by weight type (measured with x_prep; int8 channel at M = 25..56 re-swept with x by TMA in v21: within
+# +-2 us of the lock-step build on 3 of 4 shapes, the wide one below). 4-bit
 # weights at M = 12..128 beat the mma.sync / wgmma builds at 3 shapes x 2 formats in 42 of 48 cells (by
 # up to 2x at M = 96..128), at M <= 8 they lost at 5 of 6 shape-format pairs (the x_prep launch and
 # per-chunk barriers cost more than the work) (docs/kernels-wo.md, v9). 8-bit weights take it where the
