@@ -251,8 +251,8 @@ def rt_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, max
 
 
 # x streamed (XS: a ring of XS_SLOTS chunks per K part filled by one warp of each part, cp.async or on natural-order
-# tiles TMA, mbarriers) lets the two-tile launch take a column's whole K range (no split, no reduction) at any M: the staged x slice no
-# longer has to fit. Taken on sm_90 for tiled weights at M = XS_MIN_M..16 where its first candidate fills at
+# tiles TMA, mbarriers) lets the two-tile launch take a column's whole K range (no split, no reduction) at any M:
+# the staged x slice no longer has to fit. Taken on sm_90 for tiled weights at M = XS_MIN_M..16 where its first candidate fills at
 # least XS_MIN_FILL of the SMs, at one token tile or for 8-bit weights; int4 at two token tiles only where
 # each warp streams at least XS_MIN_CHUNKS chunks (the per-chunk ring handshake costs more than the staging
 # below); e2m1 (NVFP4, MXFP4) at two token tiles stays staged (won or lost by < 1 us, its decode heavier).
@@ -936,9 +936,9 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     ``QCOMPILE_PDL=0``). ``xstages`` / ``minb``: x chunks in flight and CTAs per SM (wgmma).
     ``ws``: the warp-specialized wgmma build (default: :func:`ws_default`; tiled weights; ``warps``
     consumer warps plus two producers, ``nstg`` weight and ``xstages`` x slots; launch:
-    :func:`ws_launch`, another ``warps`` one CTA per SM unless ``warps_per_sm`` says; x loaded by TMA from x itself on natural-order tiles (quant_math.tiles_natural), else
-    rearranged first by the ``x_prep`` kernel). ``trig``: with PDL, let the next
-    kernel launch from this one's start (default: :func:`trig_default`). ``kw``: mma.sync build, warps
+    :func:`ws_launch`, another ``warps`` one CTA per SM unless ``warps_per_sm`` says; x loaded by TMA from x
+    itself on natural-order tiles (quant_math.tiles_natural), else rearranged first by the ``x_prep`` kernel).
+    ``trig``: with PDL, let the next kernel launch from this one's start (default: :func:`trig_default`). ``kw``: mma.sync build, warps
     sharing each 16-row tile (default 1; for tiled weights with the launch left to it,
     :func:`default_launch` decides). ``rt``: mma.sync build, 16-row tiles per warp (or per ``kw`` warps).
     ``out``: a contiguous [M, N] tensor of x2's dtype to write (a row block of a larger output)."""
