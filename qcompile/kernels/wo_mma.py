@@ -938,9 +938,9 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     consumer warps plus two producers, ``nstg`` weight and ``xstages`` x slots; launch:
     :func:`ws_launch`, another ``warps`` one CTA per SM unless ``warps_per_sm`` says; x loaded by TMA from x
     itself on natural-order tiles (quant_math.tiles_natural), else rearranged first by the ``x_prep`` kernel).
-    ``trig``: with PDL, let the next kernel launch from this one's start (default: :func:`trig_default`). ``kw``: mma.sync build, warps
-    sharing each 16-row tile (default 1; for tiled weights with the launch left to it,
-    :func:`default_launch` decides). ``rt``: mma.sync build, 16-row tiles per warp (or per ``kw`` warps).
+    ``trig``: with PDL, let the next kernel launch from this one's start (default: :func:`trig_default`).
+    ``kw``: mma.sync build, warps sharing each 16-row tile (default 1; for tiled weights with the launch left
+    to it, :func:`default_launch` decides). ``rt``: mma.sync build, 16-row tiles per warp (or per ``kw`` warps).
     ``out``: a contiguous [M, N] tensor of x2's dtype to write (a row block of a larger output)."""
     packed = spec.tiled
     if pdl is None:
