@@ -252,8 +252,8 @@ def rt_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, max
 
 # x streamed (XS: a ring of XS_SLOTS chunks per K part filled by one warp of each part, cp.async or on natural-order
 # tiles TMA, mbarriers) lets the two-tile launch take a column's whole K range (no split, no reduction) at any M:
-# the staged x slice no longer has to fit. Taken on sm_90 for tiled weights at M = XS_MIN_M..16 where its first candidate fills at
-# least XS_MIN_FILL of the SMs, at one token tile or for 8-bit weights; int4 at two token tiles only where
+# the staged x slice no longer has to fit. Taken on sm_90 for tiled weights at M = XS_MIN_M..16 where its first
+# candidate fills at least XS_MIN_FILL of the SMs, at one token tile or for 8-bit weights; int4 at two token tiles only where
 # each warp streams at least XS_MIN_CHUNKS chunks (the per-chunk ring handshake costs more than the staging
 # below); e2m1 (NVFP4, MXFP4) at two token tiles stays staged (won or lost by < 1 us, its decode heavier).
 # H100, same call, 7 shapes x 4 formats x M = 6, 8, 12, 16 (docs/kernels-wo.md, v17), us, default -> xs:
