@@ -775,16 +775,16 @@ def test_gpu_tma_x_on_two_streams():
     def call(i, c, **kw):
         return wo_mma.wo_mma(c["x"], wts[i], c["weight_scale"], None, None, c["bias"], spec, **kw)
 
-    def pair(s):
+    def calls(s):  # the three calls of stream s
         return (call(s, ws_cases[s], ws=True, warps=8), call(2 + s, sk_cases[s], split=8, max_cluster=1),
                 call(4 + s, xs_cases[s], **XS16))
 
-    want = [pair(s) for s in (0, 1)]
+    want = [calls(s) for s in (0, 1)]
     _check(want[0][0], ws_cases[0], k, "ws")
     _check(want[0][1], sk_cases[0], k, "split-K")
     _check(want[0][2], xs_cases[0], k, "xs")
     assert _counter_values(8192 // 16) == [0] * (8192 // 16)
-    outs, streams = _on_two_streams(pair, 50)
+    outs, streams = _on_two_streams(calls, 50)
     for i, st in enumerate(streams):
         assert all(all(map(torch.equal, got, want[i])) for got in outs[i]), f"stream {i}"
         with torch.cuda.stream(st):
