@@ -28,7 +28,7 @@ Backends (the op's ``backend`` argument):
 
 * ``"triton"`` (CUDA sm_80+, or CPU under ``TRITON_INTERPRET=1``): the kernel for M <= ``WO_MAX_M``
   of the format's family; above it the Triton dequantize kernel writes the weight in x.dtype once
-  and ``F.linear`` runs the GEMM (cuBLAS wins there; docs/kernels-wo.md has the crossover).
+  and ``F.linear`` runs the GEMM (cuBLAS wins there; the crossover figures are at WO_MAX_M).
 * ``"dequant"`` (any device): dequantize (Triton kernel on CUDA, :mod:`quant_math` elsewhere), cast
   to x.dtype, ``F.linear``. The CPU path and the fallback of every shape the kernel rejects.
 

@@ -666,7 +666,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 # (stages, warps per SM) by layout, MMA_WARPS warps per CTA: the fastest on the H100 at N=K=8192 and
-# N=28672, K=8192 for M = 1..32 (benchmarks/bench_wo_linear.py --mma-sweep; docs/kernels-wo.md).
+# N=28672, K=8192 for M = 1..32 (benchmarks/bench_wo_linear.py --mma-sweep).
 LAUNCH = {True: (2, 32), False: (2, 16)}
 MMA_WARPS = 8
 
