@@ -1,4 +1,4 @@
-"""Diagnostics for qcompile::wo_linear on the H100 (docs/kernels-wo.md, v19), one section per flag:
+"""Diagnostics for qcompile::wo_linear on an sm_90 GPU (docs/kernels-wo.md), one section per flag:
 
     python benchmarks/diag_wo.py --blocks          # M above 128 as row blocks vs dequant + F.linear vs bf16
     python benchmarks/diag_wo.py --op-vs-direct    # M = 16: the op against a direct wo_mma call, weight data
@@ -101,7 +101,7 @@ WS_VARIANTS = [dict(), dict(ws=True)] + [dict(ws=True, **v) for v in (
 
 class source_of:
     """Compile and launch wo_mma from ``path`` inside the block (its own kernel and plan caches), e.g. a
-    previous commit's wo_mma.cu for a same-call A/B; the launch code is this checkout's."""
+    another version's wo_mma.cu for an A/B in one process; the launch code is this checkout's."""
 
     def __init__(self, path):
         self.path, self.caches = path, ({}, {}, {})

@@ -1,6 +1,6 @@
-"""End-to-end decode: a tiny-but-wide Llama in ModelOpt FP8 compiled with qcompile vs the same model
-in bf16 under plain torch.compile. Own decode loop (StaticCache, compiled step, batch 1), as
-shared/GPU.md recommends (HF generate + reduce-overhead breaks in transformers 5.17).
+"""End-to-end decode: a tiny-but-wide random Llama written in quantized formats (``--formats``, default
+ModelOpt FP8) compiled with qcompile vs the same model in bf16 under plain torch.compile. Own decode loop
+(StaticCache, compiled step, batch 1): HF generate with mode="reduce-overhead" breaks in transformers 5.17.
 
     python benchmarks/e2e_decode.py --out e2e.json            # H100: hidden 4096, inter 14336, 2 layers
     python benchmarks/e2e_decode.py --tiny --device cpu       # smoke test anywhere

@@ -1,7 +1,7 @@
 """The 4-bit (and pack-quantized int8, MXFP8) writers behind :func:`qcompile.synth.write_checkpoint`.
 
-Each function reproduces its producer's arithmetic, checked bit for bit against
-``shared/testdata/checkpoints`` (made from ``base-bf16-dense``) where a producer file exists: same
+Each function reproduces its producer's arithmetic, checked bit for bit against the producers' tiny
+test checkpoints (``QCOMPILE_TESTDATA``, made from ``base-bf16-dense``) where a producer file exists: same
 codes, scales and global scales from the same bf16 weights (tests/test_synth_4bit.py). Formats with no
 producer file there (``ct-w4a16-asym``, ``modelopt-mxfp8``) follow the producer's source, named below.
 What each producer does, from its source:
@@ -31,8 +31,8 @@ What each producer does, from its source:
   packed 32/bits per int32, element j at bits·j. Asymmetric (``W4A16_ASYM``): the group's range
   widened to hold 0, ``scale = bf16((max - min) / (qmax - qmin))``, an int8 zero point ``round(clamp(qmin
   - min / scale))``, ``q = round(clamp(bf16(w / scale) + zp))``; the zero points are packed like the
-  codes but along out_features. No producer file of this format is in shared/testdata: the packing
-  was checked against compressed-tensors 0.19's ``pack_to_int32(zp, 4, packed_dim=0)`` when written.
+  codes but along out_features. No producer file of this format is among the test checkpoints: the
+  packing follows compressed-tensors 0.19's ``pack_to_int32(zp, 4, packed_dim=0)``.
 
 e2m1 rounding is round-to-nearest-even in every producer (ModelOpt's searchsorted bounds, compressed-
 tensors' threshold ladder and Quark's ``half_even``): :func:`e2m1_codes`.

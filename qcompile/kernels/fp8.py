@@ -18,7 +18,7 @@ One custom op, three implementations chosen by its ``backend`` argument:
                                                (sm_90 only), M padded to ``_block_rows(M)``
   ==========================================  ==================================================
 * ``"flashinfer"`` (CUDA, per-tensor only): ``flashinfer.gemm.bmm_fp8`` (cuBLAS); JIT-compiles its
-  module at first use (~34 s on the H100, GPU.md).
+  module at first use (about 34 s on an H100).
 
 Canonical inputs (see :mod:`qcompile.scheme`): x [..., K] bf16/fp16; weight fp8 e4m3 [N, K]
 row-major; weight_scale fp32 [] / [N] / [N/128, K/128]; input_scale fp32 [] for static per-tensor

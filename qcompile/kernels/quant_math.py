@@ -176,7 +176,7 @@ def tile_words(weight: torch.Tensor, bits: int, natural: bool = False) -> torch.
     Which k lane q of a chunk (``TILE_K[bits]`` elements from k0) holds, as its 16 bytes' element pairs
     a = 0, 1, ...: by default its own consecutive run, pair a = k0 + TILE_K/4 q + 2a (+ 0, 1); ``natural``:
     k0 + 8a + 2q (+ 0, 1). That is where mma's B fragment of lane q takes x within each k16 step, so
-    the kernel then reads x (the B operand) in its natural order, as a TMA box (docs/kernels-wo.md, v20);
+    the kernel then reads x (the B operand) in its natural order, as a TMA box (docs/kernels-wo.md);
     a lane's k then span the whole chunk, so one scale must cover it (:func:`tiles_natural`)."""
     words = weight.contiguous().view(torch.int32)
     n, w = words.shape

@@ -21,14 +21,14 @@ Every weight is read as int32 words (a free ``view``): a uint8 e2m1 byte pair an
 quad land at bits ``4j`` / ``8j`` of their little-endian word exactly like the pack-quantized codes.
 Word ``w`` of row ``n`` holds elements ``k = EPW*w + j`` (EPW = 8 or 4), so the kernel computes
 ``sum_j dot(decode_j(words), x[:, j::EPW])``; the x slices come from one contiguous x tile split in
-registers, or from x permuted once per call (``X_PERMUTED``). The weights are not repacked: no
-repacked layout was measured to beat this one (docs/kernels-wo.md).
+registers, or from x permuted once per call (``X_PERMUTED``). Weights tiled at load for ``wo_mma``
+(quant_math.tile_words) are read in place: the kernels take the tiled offsets (``TILED``, ``NATURAL``).
 
 Backends (the op's ``backend`` argument):
 
 * ``"triton"`` (CUDA sm_80+, or CPU under ``TRITON_INTERPRET=1``): the kernel for M <= ``WO_MAX_M``
   of the format's family; above it the Triton dequantize kernel writes the weight in x.dtype once
-  and ``F.linear`` runs the GEMM (cuBLAS wins there; docs/kernels-wo.md has the crossover).
+  and ``F.linear`` runs the GEMM (cuBLAS wins there; the crossover figures are at WO_MAX_M).
 * ``"dequant"`` (any device): dequantize (Triton kernel on CUDA, :mod:`quant_math` elsewhere), cast
   to x.dtype, ``F.linear``. The CPU path and the fallback of every shape the kernel rejects.
 
@@ -58,10 +58,10 @@ if HAS_TRITON:
 OP = "qcompile::wo_linear"
 BACKENDS = ("mma", "triton", "dequant")
 
-# Above this many rows the "triton" backend dequantizes once and calls F.linear (measured crossover,
-# docs/kernels-wo.md).
-# Largest M the kernel runs, by family(): above it dequant + F.linear won on the H100 (N=K=8192 and
-# N=28672, K=8192; docs/kernels-wo.md). MXFP8 (fp8 weights, e8m0 scales) lost at every M.
+# Largest M the Triton kernel runs, by family(): above it the "triton" backend dequantizes once and calls
+# F.linear, which won on an H100 (N=K=8192 and N=28672, K=8192; kernel against dequant: int4 at M = 256 116.7
+# against 123.6 us at 8192^2 but 451.4 against 421.3 at 28672x8192, fp4 at M = 128 198.2 against 137.4). MXFP8
+# (fp8 weights, e8m0 scales) lost at every M (M = 1: 149.3 against 132.8 at 8192^2).
 WO_MAX_M = {"int4": 128, "fp4": 64, "8bit": 128, "fp8": 0}
 
 

@@ -45,48 +45,40 @@ MAX_M = 32  # 4 token tiles of 8; above, the Triton kernel / dequant + F.linear
 SMEM_BUDGET = 96 * 1024
 MAX_CLUSTER = 8  # splits reduced inside one thread-block cluster (the portable maximum), sm_90+
 # From this M up the split shrinks until its clusters fit (launch_plan). Below, a shrunk split lost to
-# the one-wave global-memory reduction by up to 3 us (int4) / 8 us (NVFP4) on the H100; at M = 8 the
-# shapes split both ways, so they keep shrinking (docs/kernels-wo.md, v6).
+# the one-wave global-memory reduction by up to 3 us (int4) / 8 us (NVFP4) on an H100; at M = 8 the
+# shapes split both ways, so they keep shrinking.
 CLUSTER_SHRINK_MIN_M = 5
 # M range of the wgmma build on sm_90 (x streamed per chunk, warpgroup MMAs): from M = 25 it beat the
-# mma.sync build at every measured shape (int4; NVFP4 at N = K = 8192 within 1 %); at M = 17..24 the
-# shapes split both ways (docs/kernels-wo.md, v7).
+# mma.sync build at every measured shape on an H100 (int4; NVFP4 at N = K = 8192 within 1 %); at M = 17..24
+# the shapes split both ways.
 WGMMA_MIN_M = 25
 WGMMA_MAX_M = 128  # 16 token tiles (m64 n128 k16); what wo_mma(..., wgmma=True) accepts
-# Largest M the mma backend runs through this kernel on sm_90 for int4 weights (the others: up to
-# WGMMA_MAX_M). Above M = 32 the wgmma build beat the Triton kernel / dequant + F.linear by 1.1-4x for
-# e2m1, MX, fp8 and int8 weights up to M = 128; for int4 it won or tied up to M = 96 (by 1.3x at
-# M = 80, 96 with wgmma_launch) and lost at M = 128 on 2 of 4 shapes (docs/kernels-wo.md, v8).
+# Largest M the mma backend runs through this kernel on sm_90 for int4 weights not tiled (the lock-step wgmma
+# build; the others: up to WGMMA_MAX_M). Above M = 32 that build beat the Triton kernel / dequant + F.linear by
+# 1.1-4x for e2m1, MX, fp8 and int8 weights up to M = 128 on an H100; for int4 it won or tied up to M = 96 (by
+# 1.3x at M = 80, 96 with wgmma_launch) and lost at M = 128 on 2 of 4 shapes.
 # Elsewhere the mma.sync build runs M <= MAX_M.
 SM90_MAX_M_INT4 = 96
-# The warp-specialized wgmma build (producer warps filling mbarrier rings with bulk copies, x
-# rearranged once per call by x_prep, or loaded by TMA on natural-order tiles) for tiled weights on sm_90 from
-# this M, by weight type (measured with x_prep; int8 channel at M = 25..56 re-swept with x by TMA in v21: within
-# +-2 us of the lock-step build on 3 of 4 shapes, the wide one below). 4-bit
-# weights at M = 12..128 beat the mma.sync / wgmma builds at 3 shapes x 2 formats in 42 of 48 cells (by
-# up to 2x at M = 96..128), at M <= 8 they lost at 5 of 6 shape-format pairs (the x_prep launch and
-# per-chunk barriers cost more than the work) (docs/kernels-wo.md, v9). 8-bit weights take it where the
-# lock-step wgmma build's next token tile makes it jump (H100, 4 shapes, M = 17..63, v14): int8 from
-# M = 57 (8 tiles; 8192^2 47.5 -> 40.3 us, 28672x8192 132 -> 115; at M = 49..56 it lost by 2-5.5 us
-# everywhere), MXFP8 from M = 49 (7 tiles; 8192^2 53.4 -> 49.3, 28672x8192 147.5 -> 116; 14336x4096
-# 4-5 us slower, the one loss). int4 runs it up to M = 128.
+# The warp-specialized wgmma build (producer warps filling mbarrier rings with bulk copies; x loaded by TMA on
+# natural-order tiles, else rearranged once per call by x_prep) runs tiled weights on sm_90 from this M, by weight
+# type. H100: 4-bit weights at M = 12..128 beat the mma.sync / wgmma builds in 42 of 48 cells (3 shapes x 2
+# formats; by up to 2x at M = 96..128); at M <= 8 they lost at 5 of 6 shape-format pairs (the per-chunk barriers
+# cost more than the work). 8-bit weights take it where the lock-step wgmma build's next token tile makes that
+# one jump (4 shapes, M = 17..63): int8 from M = 57 (8 tiles; 8192^2 40.3 us against 47.5, 28672x8192 115 against
+# 132; at M = 49..56 it lost by 2-5.5 us), MXFP8 from M = 49 (7 tiles; 8192^2 49.3 against 53.4). int8 channel at
+# M = 25..56 is within +-2 us of the lock-step build at 3 of 4 shapes (the wide one: WS_WIDE_MIN_M_8BIT).
 WS_MIN_M = {QDtype.INT4: 12, QDtype.FP4_E2M1: 12, QDtype.INT8: 57, QDtype.FP8_E4M3: 49}
 # 8-bit weights wide enough for one column per SM (_wide) take it from this M (above the two-tile mma.sync build),
-# with 2 warpgroups and one CTA per SM up to M = 64 (ws_launch). H100, 28672x8192, us, before -> after (v21):
-# int8 channel M = 17 / 32 / 56 / 64 96.5 / 98.3 / 106.5 / 110.0 -> 84.3 / 85.1 / 87.0 / 91.4, MXFP8 106.4 / 113.0 /
-# 117.4 / 123.7 -> 99.2 / 98.5 / 112.6 / 113.1 (the lock-step build ran M = 25..56 / 48 there, the warp-specialized
-# one with 4 warpgroups below and above).
+# with 2 warpgroups and one CTA per SM up to M = 64 (ws_launch). H100, 28672x8192 int8 channel M = 17 / 64: 84.3 /
+# 91.4 us against 96.5 / 110.0 with 4 warpgroups; MXFP8 99.2 / 113.1 against 106.4 / 123.7. At M = 25..56 they
+# also beat the lock-step build (int8 M = 56 87.0 against 106.5).
 WS_WIDE_MIN_M_8BIT = 17
 # Below WS_MIN_M, weights wide enough for its one-column-per-SM launch (ws_launch: 16 warps, no
 # split) still take the warp-specialized build when the mma.sync build's x slice (all M rows of its
 # CTA's K range, staged before the first MMA) would leave fewer than 4 of its CTAs (32 warps) on an SM.
-# H100, us, mma.sync vs warp-specialized (docs/kernels-wo.md, v12): 28672x8192 M = 6 (52 KB) 52 vs 58,
-# M = 8 (70 KB) int4 70 vs 58, NVFP4 78 vs 65; 57344x8192 M = 4 119 vs 114, M = 6 103 vs 114, M = 8
-# NVFP4 134 vs 129 (int4 113 vs 115). At N = 8192 (4 consumer warps, split K) it lost: 8192x28672 M = 8
-# NVFP4 71 vs 91. 8-bit weights the same below M = 25 (above, the lock-step build runs; v14): 28672x8192
-# int8 / MXFP8 M = 4 (32 KB) 86 vs 94 / 98 vs 102, M = 8 (65 KB) 115 vs 94 / 123 vs 101, M = 16 116 vs 100 /
-# 117 vs 107, M = 24 128 vs 100 / 140 vs 108; 57344x8192 M = 2 163 vs 183, M = 4 (65 KB) 208 vs 187 / 226
-# vs 201, M = 8 and MXFP8 M = 12 tie, int8 M = 12 185 vs 201 (the one loss).
+# H100, us, mma.sync vs warp-specialized: 28672x8192 M = 8 int4 (70 KB of x) 70 vs 58, NVFP4 78 vs 65,
+# int8 (65 KB) 115 vs 94; int4 M = 6 (52 KB) 52 vs 58. At N = 8192 (4 consumer warps, split K) it lost: 8192x28672
+# M = 8 NVFP4 71 vs 91.
 SM90_SMEM_PER_SM = 228 * 1024
 
 
@@ -119,40 +111,33 @@ def _ws_wide(spec: WeightSpec, m: int, n: int, k: int, sms: int) -> bool:
 
 # KW: warps of the mma.sync build sharing one 16-row tile, each streaming part of the CTA's K range, their
 # partial sums added in shared memory. More warps per tile leave fewer K splits to reduce across CTAs
-# (through global memory or a cluster: at 8192^2 M = 1 that epilogue cost about 2 us on the H100), but
+# (through global memory or a cluster: at 8192^2 M = 1 that epilogue cost about 2 us on an H100), but
 # every CTA stages x for a longer K range. Taken on sm_90 in place of a plan that reduces split K through
 # global memory (from KW_CLUSTER_MIN_M also in a cluster: default_launch), while the split stays <=
 # KW_MAX_SPLIT, the CTAs fit in one wave and the x staged on an SM stays within KW_X_SHARE of the weight
-# bytes it streams; 16 warps per CTA from 4 per tile (fewer CTAs
-# stage x: 16384x8192 M = 4 26.9 against 38.2 with 8). H100, int4 / NVFP4, us, kw = 1 -> mma_launch
-# (docs/kernels-wo.md, v13): 8192^2 M = 1 17.5-18.1 -> 13.7 / 21.8 -> 16.8, M = 4 19.0 -> 15.2 / 22.3 ->
-# 18.5; 4096x14336 M = 1 16.7 -> 12.7; 4096^2 M = 1 9.5 -> 5.4; 16384x8192 M = 1 26.8 -> 25.6. Where the
-# plan reduced in a cluster it lost up to 4 us with 8 warps per CTA (28672x8192 M = 3, 14336x4096 M = 4),
-# so it is left there below KW_CLUSTER_MIN_M.
+# bytes it streams; 16 warps per CTA from 4 per tile (fewer CTAs stage x: 16384x8192 M = 4 26.9 against
+# 38.2 us with 8). H100, 8192^2 M = 1: int4 13.7 us against 17.5-18.1 with one warp per tile, NVFP4 16.8
+# against 21.8.
 # Where the rounded split would spill the CTAs into a second wave, no split is tried instead, with fewer
-# warps than the SMs hold: taken while each warp streams at most KW_CHUNK_GROWTH times the chunks it
-# would without shared tiles (H100, int4 / NVFP4: 5120^2 M = 1 9.3 -> 8.3 / 11.1 -> 10.7 us, 5 chunks per
-# warp against 4; mixed at 11008x4096, 8 against 6: 12.2 -> 11.6 / 14.8 -> 15.7; lost at 10240x8192, 16
-# against 10: 19.1 -> 21.8, and 5120x13824, 13.5 against 9: M = 4 21.1 -> 27.6).
+# warps than the SMs hold, while each warp streams at most KW_CHUNK_GROWTH times the chunks it would
+# without shared tiles (5120^2 M = 1 int4 8.3 against 9.3 us, 5 chunks per warp against 4; 10240x8192,
+# 16 against 10, lost: 21.8 against 19.1).
 KW_MAX_SPLIT = 2
 KW_X_SHARE = 0.9
 KW_CHUNK_GROWTH = 1.3
-# From this M shared tiles also replace a split reduced in a cluster. H100, same-call A/B over 9 shapes x
-# 4 formats (docs/kernels-wo.md, v15), int4 / NVFP4, us, cluster plan -> shared tiles: 8192^2 M = 8
-# 18.8 -> 17.1 / 22.5 -> 19.3, M = 11 21.3 -> 20.1 / 26.5 -> 22.8; 16384x8192 M = 6 32.4 -> 28.6 / 43.1 ->
-# 33.9; MXFP8 8192^2 M = 6 28.3 -> 25.8; worst 28672x4096 int4 M = 6, +1.0. Below M = 5 the cluster plans
-# stay (v13: sharing lost up to 4.3 us there).
+# From this M shared tiles also replace a split reduced in a cluster. H100, over 9 shapes x 4 formats, shared
+# tiles against the cluster plan: 8192^2 M = 8 int4 17.1 against 18.8 us, NVFP4 19.3 against 22.5; 16384x8192
+# M = 6 NVFP4 33.9 against 43.1; worst 28672x4096 int4 M = 6, +1.0. Below M = 5 the cluster plans stay
+# (sharing lost up to 4.3 us there: 28672x8192 M = 3, 14336x4096 M = 4).
 KW_CLUSTER_MIN_M = 5
 # Up to this many 8-token tiles, two mma.sync launches on tiled weights (sm_90) are compiled for the CTAs
 # per SM their plan assumes (__launch_bounds__ minimum blocks: 64 registers at 32 warps per SM): the
-# shared-tile launches, and 8-warp plans reduced in a cluster. Left to itself ptxas gave int4 g128 at
-# M = 9..16 70 registers (3 of 4 planned CTAs per SM) and other formats fewer than fit, 48-57. Same A/B,
-# uncapped -> capped: shared tiles NVFP4 M = 1 0.6-1.9 faster at 4 shapes (8192^2 17.0 -> 16.3), int4 the
-# same; cluster plans 28672x8192 MXFP8 M = 4 98.4 -> 87.9, 28672x4096 MXFP8 M = 8 52.3 -> 45.8, int8 1.3-1.8
-# faster, 16384x8192 NVFP4 M = 11 44.8 -> 39.6; slower where the capped replan took another split:
-# 11008x4096 int4 M = 11 +2.0, 16384x8192 8-bit M = 8 +1.3-1.9. 8-warp plans reduced through global
-# memory stay uncapped: capped they ran 2-3.5 us slower at 5 of 7 shapes on one machine and faster on
-# another. From 3 tiles the cap spills (int4: 56-104 bytes of stack).
+# shared-tile launches, and 8-warp plans reduced in a cluster. Left to itself ptxas gives int4 g128 at
+# M = 9..16 70 registers (3 of 4 planned CTAs per SM) and other formats fewer than fit, 48-57. H100,
+# capped against uncapped: 8192^2 NVFP4 M = 1 16.3 against 17.0 us, 28672x8192 MXFP8 M = 4 87.9 against
+# 98.4; slower where the capped plan takes another split (11008x4096 int4 M = 11 +2.0). 8-warp plans
+# reduced through global memory stay uncapped (capped, they ran 2-3.5 us slower at 5 of 7 shapes on one
+# machine and faster on another). From 3 tiles the cap spills (int4: 56-104 bytes of stack).
 REG_CAP_MAX_MT = 2
 
 
@@ -190,19 +175,17 @@ def mma_launch(m: int, n: int, k: int, bits: int, capability: tuple[int, int],
 # one CTA per SM; its x slice may then take most of the SM's shared memory. Taken on sm_90 for tiled
 # weights at 2 token tiles (M = 9..16), in place of the warp-specialized build (4-bit from M = 12, wide
 # weights) and the one-tile mma.sync launches: the first of rt_candidates whose split is reduced in a
-# cluster (rt_launch). H100, same call, 9 shapes x 4 formats x M = 9, 12, 16 (docs/kernels-wo.md, v16),
-# us, default -> rt: 8192^2 int4 M = 16 20.5 -> 19.0, NVFP4 25.1 -> 21.7; 28672x8192 int4 56.3 -> 50.0,
-# NVFP4 75.4 -> 63.0, MXFP8 106.9 -> 89.1; 11008x4096 NVFP4 28.9 -> 18.7; lost at 8192x28672 int4 M = 12, 16
-# (53.1 -> 55.8, 56.1: the first cluster that fits is 6 splits of one warp per tile), 11008x4096 int8
-# (+0.7-1.1), 8192^2 int8 M = 9, 12 (+0.5-1.0), 14336x4096 int4 M = 12, 16 (+0.2, +0.6).
+# cluster (rt_launch). H100, against one tile per warp: 8192^2 M = 16 int4 19.0 us against 20.5, NVFP4 21.7
+# against 25.1; 28672x8192 int4 50.0 against 56.3. Of 9 shapes x 4 formats x M = 9, 12, 16 it lost at
+# 8192x28672 int4 M = 12, 16 (55.8 against 53.1: the first cluster that fits is 6 splits of one warp per
+# tile) and by up to 1.1 us at a few other cells (int8; 14336x4096 int4).
 RT_SMEM = 200 * 1024
 RT_MT = 2  # token tiles of the two-tile launch (from 3, 128 registers do not hold it)
 # At one token tile, wide weights (one 16-warp column per SM, ws_launch) take it where the warp-specialized
-# build would (_ws_wide) and from this M. H100, same call (v16), us, default -> rt: 28672x8192 int4 M = 7, 8
-# 57.2, 58.4 -> 47.1, 47.2 (warp-specialized before), M = 6 51.9 -> 46.5; NVFP4 M = 6 61.2 -> 55.5; MXFP8
-# M = 6 95.1 -> 89.1, M = 8 102.1 -> 91.3; 57344x8192 int4 M = 4..8 99.4-116 -> 89-90, MXFP8 M = 6 199.6 ->
-# 174.7; int8 M = 6 within 1.2 either way. Below M = 6 8-bit weights lost 1-3 us (28672x4096 MXFP8 M = 1..4
-# 42.6-43.6 -> 44.7-45.5) and 4-bit ones won or lost up to 2 us by candidate, so they keep their launch.
+# build would (_ws_wide) and from this M: H100, 28672x8192 int4 M = 8 47.2 us against 58.4 on the
+# warp-specialized build, M = 6 46.5 against 51.9 on the one-tile launch. Below M = 6 8-bit weights lost
+# 1-3 us (28672x4096 MXFP8 M = 1..4) and 4-bit ones won or lost up to 2 us by candidate, so they keep
+# their launch.
 RT_WIDE_MIN_M = 6
 
 
@@ -253,22 +236,15 @@ def rt_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device, max
 # x streamed (XS: a ring of XS_SLOTS chunks per K part filled by one warp of each part, cp.async or on natural-order
 # tiles TMA, mbarriers) lets the two-tile launch take a column's whole K range (no split, no reduction) at any M:
 # the staged x slice no longer has to fit. Taken on sm_90 for tiled weights at M = XS_MIN_M..16 where its first
-# candidate fills at least XS_MIN_FILL of the SMs, at one token tile or for 8-bit weights; int4 at two token tiles only where
-# each warp streams at least XS_MIN_CHUNKS chunks (the per-chunk ring handshake costs more than the staging
-# below); e2m1 (NVFP4, MXFP4) at two token tiles stays staged (won or lost by < 1 us, its decode heavier).
-# H100, same call, 7 shapes x 4 formats x M = 6, 8, 12, 16 (docs/kernels-wo.md, v17), us, default -> xs:
-# 8192^2 int4 M = 8 16.3 -> 15.1, int8 M = 16 28.4 -> 26.1, MXFP8 29.2 -> 26.6; 16384x8192 NVFP4 M = 8
-# 42.1 -> 31.3, MXFP8 56.4 -> 48.4; 4096x14336 int8 M = 16 27.7 -> 24.6; 28672x8192 MXFP8 M = 8 91.2 -> 87.2;
-# losses kept: MXFP8 at one token tile on 14336x4096 and 4096^2 (+0.5-1.1); left out: launches of 86 CTAs
-# (11008x4096: MXFP8 +1.2-1.4). With 4-bit words in pair order (v18: no x reordering) int4 at two token
-# tiles: 8192^2 M = 16 18.3 -> 17.1 (staged -> streamed, the layout change included), 14336x4096 16.5 -> 15.7,
-# 28672x8192 M = 12 48.9 -> 49.3 (kept), 4096x14336 (64 CTAs) left out. With TMA in place of 4-byte cp.async on
-# natural-order tiles (v21), base -> TMA: 8192^2 int4 M = 9 / 12 / 16 16.3-16.6 / 16.8 / 17.8-18.1 -> 15.1-15.4,
-# 28672x8192 M = 16 50.6-52.0 -> 46.4-46.7; wide weights at one token tile +0.5-0.9 (28672x8192 M = 8 45.5 -> 46.0).
-# That build then won or tied at two token tiles where the rules above kept x staged (int4 g128, M = 9..16):
-# 4096^2 M = 16 8.6 -> 7.5 (2 chunks per warp), 4096x14336 20.3 -> 17.1 (64 -> 128 CTAs: the TMA ring of 16
-# parts fits), 11008x4096 15.4 -> 13.4, 5120^2 11.1 -> 9.8; so int4 on natural-order tiles streams x there
-# wherever a candidate exists.
+# candidate fills at least XS_MIN_FILL of the SMs, at one token tile or for 8-bit weights; int4 at two token tiles
+# only where each warp streams at least XS_MIN_CHUNKS chunks (the per-chunk ring handshake costs more than the
+# staging below), and int4 on natural-order tiles (x by TMA, read with ldmatrix) at two token tiles wherever a
+# candidate exists; e2m1 (NVFP4, MXFP4) at two token tiles stays staged (won or lost by < 1 us, its decode heavier).
+# H100, streamed against staged: 8192^2 int4 M = 8 15.1 us against 16.3, int8 M = 16 26.1 against 28.4;
+# 16384x8192 NVFP4 M = 8 31.3 against 42.1; int4 on natural-order tiles at M = 16: 4096x14336 17.1 against 20.3,
+# 11008x4096 13.4 against 15.4. The TMA fill against 4-byte cp.async copies: 8192^2 int4 M = 16 15.1-15.4 against
+# 17.8-18.1. Losses taken: MXFP8 at one token tile on 14336x4096 and 4096^2 (+0.5-1.1), wide int4 weights at one
+# token tile (28672x8192 M = 8 +0.5); left out: launches of 86 CTAs (11008x4096 MXFP8 +1.2-1.4).
 XS_SLOTS = 3  # ring slots (chunks) per K part
 XS_MIN_M = 5
 XS_MIN_FILL = 0.8
@@ -304,10 +280,10 @@ def xs_launch(base: MmaConfig, m: int, n: int, k: int, device: torch.device) -> 
 
 def trig_default(tiled: bool, wgmma: bool, ws: bool, m: int, k: int) -> bool:
     """Early launch_dependents (TRIG): the next call's CTAs take the SMs this call's first finishers
-    leave. Same-call A/B on the H100 over 7 shapes (docs/kernels-wo.md, v12): the mma.sync build on tiled
+    leave. Measured on an H100 over 7 shapes, each build with and without it: the mma.sync build on tiled
     weights 0-1.7 us faster at every shape and M measured; the warp-specialized build 0.3-4.5 us faster,
     except at K > 8192 with M > 16 (4096x14336 M = 32 / 64: 2-2.5 us slower, cause not found;
-    8192x28672 M = 64 / 128 no better). Kept after the main loop where it lost: canonical words in the
+    8192x28672 M = 64 / 128 no better). After the main loop where it lost: canonical words in the
     mma.sync build (8192^2 NVFP4 M = 1: 31.7 vs 27.9) and the lock-step wgmma build (MXFP8 M = 32: 50.6
     vs 41.4)."""
     if ws:
@@ -321,15 +297,13 @@ def _wide(n: int, sms: int) -> bool:
 
 
 def ws_launch(m: int, n: int, sms: int, dtype: QDtype | None = None) -> tuple[int, int]:
-    """(consumer warps per CTA, CTAs per SM) of the warp-specialized build on the H100's sweeps. 4-bit
-    weights (and no ``dtype``; docs/kernels-wo.md, v9): above M = 64, 2 warpgroups and one CTA per SM;
-    otherwise 4 warpgroups (256 rows) when N gives most SMs a column without a split (N = 28672: up to 1.2x
-    faster there), else one warpgroup and 2 CTAs per SM. 8-bit weights (v21, 4 shapes, M = 17..128, us): up to
-    M = 64, 2 warpgroups on wide weights (see WS_WIDE_MIN_M_8BIT) and MXFP8 4 warpgroups elsewhere (8192^2 M = 56 /
-    64 50.6 / 50.6 -> 42.8 / 44.2, 14336x4096 45.6 / 47.2 -> 33.6 / 34.5, 4096x14336 46.2 / 47.3 -> 41.0 / 43.8);
-    above, int8 one warpgroup and 2 CTAs per SM (8192^2 M = 96 / 128 33.8 / 37.0 -> 30.9 / 34.3, 28672x8192
-    123.2 / 136.7 -> 116.2 / 131.3, 14336x4096 32.2 / 35.2 -> 27.9 / 31.3, 4096x14336 38.0 / 41.4 -> 34.3 / 37.5;
-    MXFP8 there won 6 of 8 cells and lost 2 by 3-6 us, so it keeps 2 warpgroups)."""
+    """(consumer warps per CTA, CTAs per SM) of the warp-specialized build, from H100 sweeps. 4-bit weights
+    (and no ``dtype``): above M = 64, 2 warpgroups and one CTA per SM; otherwise 4 warpgroups (256 rows) when N
+    gives most SMs a column without a split (N = 28672: up to 1.2x faster there), else one warpgroup and 2 CTAs
+    per SM. 8-bit weights (4 shapes, M = 17..128): up to M = 64, 2 warpgroups on wide weights (see
+    WS_WIDE_MIN_M_8BIT) and MXFP8 4 warpgroups elsewhere (8192^2 M = 64 44.2 us against 50.6 with one warpgroup);
+    above, int8 one warpgroup and 2 CTAs per SM (8192^2 M = 96 30.9 against 33.8 with 2 warpgroups), MXFP8 2
+    warpgroups (one warpgroup lost 2 of 8 cells there by 3-6 us)."""
     if dtype is not None and dtype.bits == 8:
         if m <= 64:
             return (8, 1) if _wide(n, sms) else (16, 1) if dtype is QDtype.FP8_E4M3 else (4, 2)
@@ -351,7 +325,7 @@ def max_m(spec: WeightSpec, capability: tuple[int, int]) -> int:
 
 # Up to this M (by weight type) the mma backend runs M above max_m on sm_90 as row blocks of max_m rows, one
 # wgmma launch each (:func:`row_blocks`), before dequantize + F.linear takes over. H100, µs, blocks against the
-# dequant fallback (docs/kernels-wo.md, v19): 3 blocks (M = 384) won for every format at 8192^2 (int4 111 vs
+# dequant fallback: 3 blocks (M = 384) won for every format at 8192^2 (int4 111 vs
 # 134, NVFP4 128 vs 141, MXFP4 122 vs 133, int8 122 vs 142, MXFP8 138 vs 144); 4 blocks (M = 512) only for int4
 # (149 vs 155; 28672x8192 467 vs 575), the others lost by 6-21 µs.
 BLOCKED_MAX_M = {QDtype.INT4: 512, QDtype.FP4_E2M1: 384, QDtype.INT8: 384, QDtype.FP8_E4M3: 384}
@@ -429,7 +403,7 @@ def _default_launch(base: MmaConfig, plan_args: tuple, rt: bool) -> tuple:
 def wgmma_launch(bits: int, m: int) -> tuple[int, int]:
     """(warps per CTA, warps per SM) of the wgmma build: 16 warps (4 warpgroups, 256 rows), one CTA
     per SM; for 4-bit weights above M = 64, where 16 warps spill, 8 warps (1.1-1.5x faster at
-    M = 96..128 on the H100, docs/kernels-wo.md, v8). 8-bit weights were faster with 16 warps at most
+    M = 96..128 on an H100). 8-bit weights were faster with 16 warps at most
     measured shapes and M."""
     if bits == 4 and m > 64:
         return 8, 8
@@ -643,9 +617,9 @@ def _counters(device: torch.device, n: int) -> torch.Tensor | ctypes.c_void_p:
     allocated and zeroed while a stream is captured, so each allocation outside a capture sets a spare
     one aside, which the first capture on a stream without a buffer takes (graphs are usually captured
     on a stream that never runs eagerly). Without it the call gets its own zeroed tensor, and the graph
-    replays that memset before every launch: 2-3.5 us per call on the H100 (a memset node, and the
-    programmatic dependent launch of the next kernel lost; docs/kernels-wo.md, v16). Graphs captured on
-    one stream and replayed at the same time on two streams still share their buffer (v8)."""
+    replays that memset before every launch: 2-3.5 us per call on an H100 (a memset node, and the
+    programmatic dependent launch of the next kernel lost). Graphs captured on one stream and replayed
+    at the same time on two streams still share their buffer."""
     idx = _index(device)
     key = (idx, torch.cuda.current_stream(device).cuda_stream)
     have = _COUNTERS.get(key)
@@ -692,7 +666,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 # (stages, warps per SM) by layout, MMA_WARPS warps per CTA: the fastest on the H100 at N=K=8192 and
-# N=28672, K=8192 for M = 1..32 (benchmarks/bench_wo_linear.py --mma-sweep; docs/kernels-wo.md).
+# N=28672, K=8192 for M = 1..32 (benchmarks/bench_wo_linear.py --mma-sweep).
 LAUNCH = {True: (2, 32), False: (2, 16)}
 MMA_WARPS = 8
 

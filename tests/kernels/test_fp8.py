@@ -372,10 +372,10 @@ def _gpu_case(weight, act, m, n, k, dtype, bias, seed):
 
 
 def _reference_on_gpu(case) -> torch.Tensor:
-    """The emulated math, with the activation quantized on the CPU. quant_math's dynamic scale is
-    ``amax / 448.0``; on CUDA torch divides by a Python scalar as a multiply by its reciprocal,
-    which is 1 ulp off the IEEE quotient for about half the scales and flips ~0.07% of the fp8 codes
-    of bf16 data. The kernels divide exactly (div_rn), like torch on the CPU."""
+    """The emulated math, with the activation quantized on the CPU. The kernels divide exactly (div_rn);
+    so does quant_math (``amax`` divided by a tensor: a Python scalar divisor becomes a multiply by its
+    reciprocal on CUDA, 1 ulp off for about half the scales, flipping ~0.07% of the fp8 codes of bf16
+    data). Quantizing on the CPU keeps the reference independent of torch's CUDA kernels."""
     spec = fp8.parse_scheme_key(case["scheme"])
     x = case["x"]
     in_s = None if case["input_scale"] is None else case["input_scale"].cpu()

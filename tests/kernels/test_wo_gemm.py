@@ -36,7 +36,7 @@ def _int(dtype, gran, group=0, packing=Packing.INT32, **kw):
     return WeightSpec(dtype, ScaleSpec(gran, group_size=group), packing, **kw)
 
 
-SPECS = {  # in the priority order
+SPECS = {  # every format the op runs, the common ones first
     "int4_g128": _int(QDtype.INT4, Granularity.GROUP, 128),
     "int4_g64": _int(QDtype.INT4, Granularity.GROUP, 64),
     "int4_g32": _int(QDtype.INT4, Granularity.GROUP, 32),

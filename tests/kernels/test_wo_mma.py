@@ -94,7 +94,7 @@ def test_tile_sharing_plan():
     fit in one wave and the x slices stay within 90 % of the weight bytes per SM; where the rounded
     split spills into a second wave, no split while each warp streams at most 1.3x the chunks it would
     without shared tiles (sm_90 only)."""
-    # 8192^2 int4: 512 tiles, 2 per 16-warp CTA -> 256 CTAs, no split (was 64 columns x split 8)
+    # 8192^2 int4: 512 tiles, 2 per 16-warp CTA -> 256 CTAs, no split (one warp per tile: 64 columns x split 8)
     assert wo_mma.plan(1, 8192, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=32, kw=8) == (256, 1, 64)
     assert wo_mma.plan(1, 8192, 8192, 4, warps=8, stages=2, sms=132, warps_per_sm=32) == (64, 8, 8)
     launch = {(m, n, k): wo_mma.mma_launch(m, n, k, 4, (9, 0), 132)
@@ -147,8 +147,8 @@ def test_tile_sharing_plan():
 def test_x_streamed_candidates_and_policy():
     """rt_candidates with x streamed: no split, the ring (not the K range) within RT_SMEM, most CTAs first; xs_default: tiled
     weights on sm_90 at M = 5..16 where the first candidate fills 80% of the SMs; at two token tiles int4 only
-    where each warp streams >= 8 chunks, e2m1 not (the H100 A/Bs of v17, v18); int4 on natural-order tiles (x by
-    TMA) at two token tiles wherever there is a candidate (v21)."""
+    where each warp streams >= 8 chunks, e2m1 not; int4 on natural-order tiles (x by TMA) at two token tiles
+    wherever there is a candidate (the H100 measurements behind wo_mma.xs_default)."""
     assert wo_mma.rt_candidates(16, 8192, 8192, 4, 132, xs=True)[:2] == [(128, 8, 1), (64, 4, 1)]  # staged: 278 KB
     assert wo_mma.rt_candidates(16, 4096, 14336, 4, 132, xs=True)[0] == (64, 8, 1)  # kw 16: a 221 KB ring
     assert wo_mma.rt_candidates(16, 4096, 14336, 4, 132, xs=True, xnat=True)[0] == (128, 16, 1)  # TMA: 193 KB
@@ -166,7 +166,7 @@ def test_x_streamed_candidates_and_policy():
     assert xs("int4_g128", 8, 14336, 4096) and xs("int4_g128", 12, 14336, 4096)  # 112 CTAs, 8 chunks per warp
     assert xs("int4_g128", 16, 28672, 8192) and xs("int4_g128", 16, 4096, 14336)  # 112 CTAs; 128 (the TMA ring)
     assert xs("int4_g128", 12, 4096, 4096) and xs("int8_channel_packed", 12, 4096, 4096)  # 2 chunks per warp
-    assert not xs("int4_g32", 12, 4096, 4096) and not xs("int4_g64", 16, 4096, 14336)  # (old tiles: cp.async)
+    assert not xs("int4_g32", 12, 4096, 4096) and not xs("int4_g64", 16, 4096, 14336)  # (lane-order tiles: cp.async)
     assert not xs("int8_channel_packed", 8, 11008, 4096)  # 86 CTAs
     assert not any((xs("int4_g128", 4, 8192, 8192), xs("int4_g128", 17, 8192, 8192),
                     xs("int4_g128", 8, 8192, 8192, (10, 0)), xs("int4_g128", 8, 8192, 8192, tiled=False)))
@@ -259,7 +259,7 @@ def test_wgmma_selection_and_shared_memory():
                    for n, k in ((8192, 8192), (28672, 4096), (4096, 14336), (14336, 4096), (8192, 28672)))
     # 8-bit weights the same way below the lock-step build's M = 25 (N = 28672 from M = 8, 65 KB; N = 57344
     # at M = 4, 5 and from 8), and wide ones from M = 17 all the way (WS_WIDE_MIN_M_8BIT: the lock-step build
-    # lost there, v21). Two tiles per warp take M up to 16 as above, at N = 57344 only up to M = 12 (from 13 the
+    # loses there). Two tiles per warp take M up to 16 as above, at N = 57344 only up to M = 12 (from 13 the
     # x slice of an unsplit K is over RT_SMEM)
     assert [m for m in range(1, 57) if ws("int8_channel_packed", m, n=28672)] == list(range(17, 57))
     assert [m for m in range(1, 49) if ws("mxfp8", m, n=57344)] == list(range(13, 49))
@@ -281,7 +281,7 @@ def test_wgmma_selection_and_shared_memory():
     assert [wo_mma.ws_launch(m, n, 132) for m, n in ((12, 8192), (64, 8192), (64, 28672), (65, 28672), (128, 4096))] \
         == [(4, 2), (4, 2), (16, 1), (8, 1), (8, 1)]
     assert wo_mma.ws_launch(64, 8192, 132, QDtype.INT4) == (4, 2)
-    # 8-bit weights (v21): 2 warpgroups on wide weights up to M = 64, MXFP8 4 elsewhere; int8 above M = 64 one
+    # 8-bit weights: 2 warpgroups on wide weights up to M = 64, MXFP8 4 elsewhere; int8 above M = 64 one
     # warpgroup, 2 CTAs per SM
     launches = {dt: [wo_mma.ws_launch(m, n, 132, dt) for m, n in ((17, 28672), (64, 28672), (64, 8192), (65, 8192),
                                                                    (128, 28672))]
@@ -731,8 +731,8 @@ def _on_two_streams(call, reps):
 def test_gpu_mma_global_split_on_two_streams():
     """Split-K reduced through global memory (max_cluster=1) on two streams at once: each stream
     counts its own CTAs, so both give their serial results bit for bit. Both streams wait behind a
-    sleep kernel while the calls are queued, so their launches do run concurrently (with one
-    counter buffer per device this test failed)."""
+    sleep kernel while the calls are queued, so their launches do run concurrently (one counter
+    buffer shared by both streams fails this test)."""
     n = k = 4096
     cases = [_gpu_case("int4_g128", 1, n, k, torch.bfloat16, seed=s) for s in (21, 22)]
     spec = wg.parse_scheme_key(cases[0]["scheme"]).weight
