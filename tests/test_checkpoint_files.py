@@ -136,20 +136,16 @@ def redirect(index: dict, shard: str, to: str) -> None:
     index["weight_map"] = {k: (to if v == shard else v) for k, v in index["weight_map"].items()}
 
 
-def add_to_shard(path: Path, shard: str, name: str, tensor: torch.Tensor) -> None:
-    state = load_file(str(path / shard))
-    state[name] = tensor
-    save_file(state, str(path / shard), metadata={"format": "pt"})
-
-
 def first_of(index: dict, shard: str) -> str:
     return next(k for k, v in index["weight_map"].items() if v == shard)
 
 
 def duplicate_tensor(path: Path):
-    index = json.loads((path / INDEX).read_text())
-    name = first_of(index, SHARDS[0])
-    add_to_shard(path, SHARDS[1], name, load_file(str(path / SHARDS[0]))[name])
+    """A second, different copy of one of shard 1's tensors in shard 2 (transformers loads the last)."""
+    name = first_of(json.loads((path / INDEX).read_text()), SHARDS[0])
+    state = load_file(str(path / SHARDS[1]))
+    state[name] = torch.zeros_like(load_file(str(path / SHARDS[0]))[name])
+    save_file(state, str(path / SHARDS[1]), metadata={"format": "pt"})
 
 
 def tensor_in_other_shard(path: Path):
