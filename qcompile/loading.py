@@ -17,20 +17,23 @@ parameters have the on-disk dtypes; transformers then streams the shards into th
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import struct
+import threading
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import modeling_utils
+from transformers import utils as transformers_utils
 from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING,
                                           AutoHfQuantizer)
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .checkpoint_files import (confinement_root, find_index, index_weight_map, read_checkpoint, read_checkpoint_dir,
+                               read_json)
 from .errors import CheckpointError, ConfigError, UnsupportedError
 from .formats import QuantConfig, parse_quant_config
 from .linear import QuantLinear
@@ -41,14 +44,6 @@ log = logging.getLogger("qcompile")
 QUANT_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "weight_packed", "weight_global_scale",
                   "input_global_scale", "weight_zero_point", "weight_g_idx", "weight_shape", "weight_scale_inv")
 KV_SUFFIXES = ("k_scale", "v_scale", "q_scale", "prob_scale")
-
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E8M0": getattr(torch, "float8_e8m0fnu", torch.uint8),
-}
-
 
 class QCompileConfig(QuantizationConfigMixin):
     """qcompile's quantization config for ``from_pretrained``.
@@ -107,7 +102,7 @@ class QCompileHfQuantizer(HfQuantizer):
         return False
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        header = read_headers(checkpoint_files)
+        header = read_headers(checkpoint_files, getattr(model.config, "name_or_path", None))
         self.plan = plan_model(model, self.qconfig, header)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -129,32 +124,14 @@ class QCompileHfQuantizer(HfQuantizer):
         return True
 
 
-def read_headers(checkpoint_files) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """``{tensor name: (dtype, shape)}`` from the safetensors headers (no tensor data is read)."""
-    if not checkpoint_files:
-        raise CheckpointError("no checkpoint files were found", where="checkpoint",
-                              fix="point qcompile at a directory with model.safetensors (or its shards)")
-    header: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    for path in checkpoint_files:
-        if not str(path).endswith(".safetensors"):
-            raise UnsupportedError(f"{os.path.basename(path)} is not a safetensors file", where=str(path),
-                                   fix="quantized checkpoints must be saved as safetensors")
-        with open(path, "rb") as f:
-            try:
-                (size,) = struct.unpack("<Q", f.read(8))
-                meta = json.loads(f.read(size))
-            except (struct.error, ValueError) as e:
-                raise CheckpointError(f"unreadable safetensors header ({e})", where=str(path),
-                                      fix="the file is truncated or not safetensors; re-download it") from None
-        for name, info in meta.items():
-            if name == "__metadata__":
-                continue
-            dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
-            if dtype is None:
-                raise CheckpointError(f"tensor {name!r} has unknown dtype {info.get('dtype')!r}", where=str(path),
-                                      fix="re-export the checkpoint")
-            header[name] = (dtype, tuple(info["shape"]))
-    return header
+def read_headers(checkpoint_files, directory: str | None = None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """``{tensor name: (dtype, shape)}`` of the files transformers resolved, validated completely
+    (:mod:`qcompile.checkpoint_files`: every header, the shard index beside them, each file inside the
+    checkpoint ``directory``); no tensor data is read."""
+    files = [str(f) for f in checkpoint_files or ()]
+    local = directory if directory and os.path.isdir(directory) else None
+    root = confinement_root(local or os.path.dirname(os.path.abspath(files[0]))) if files else None
+    return read_checkpoint(files, find_index(files, local), root)
 
 
 def plan_model(model: nn.Module, qconfig: QuantConfig, header: dict) -> dict[str, QuantLinear]:
@@ -215,6 +192,13 @@ def _check_leftovers(model: nn.Module, plan: dict, header: dict, qconfig: QuantC
 
 # -- registration with transformers ------------------------------------------------------------
 
+# transformers' own quantizers for formats qcompile reads too, and the check for the package each needs.
+TRANSFORMERS_BACKENDS = {"compressed-tensors": ("compressed-tensors", "is_compressed_tensors_available"),
+                         "quark": ("amd-quark", "is_quark_available")}
+_REGISTER_LOCK = threading.Lock()
+_LOAD_LOCK = threading.RLock()  # from_pretrained switches process-wide state (the default dtype)
+
+
 def _merge_quantization_configs(original):
     def merge(cls, quantization_config, quantization_config_from_args):
         if isinstance(quantization_config_from_args, QCompileConfig):
@@ -224,21 +208,49 @@ def _merge_quantization_configs(original):
                                   where="QCompileConfig(online=...)", fix="drop online=... to run the checkpoint's own quantization")
             raw = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
             return QCompileConfig(source=dict(raw))
+        if quantization_config_from_args is None:
+            _refuse_missing_backend(quantization_config)
         return original(cls, quantization_config, quantization_config_from_args)
     return classmethod(merge)
 
 
+def _refuse_missing_backend(config) -> None:
+    """A checkpoint transformers would hand to its own quantizer, whose package is not installed:
+    qcompile can run it, so say how instead of asking for the package."""
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+    package, check = TRANSFORMERS_BACKENDS.get(getattr(method, "value", method), (None, None))
+    if package and not getattr(transformers_utils, check)():
+        raise ConfigError(f"the checkpoint is {method}, which transformers loads only with the {package} package; "
+                          "qcompile reads this format itself", where="from_pretrained(quantization_config=None)",
+                          fix="pass quantization_config=qcompile.QCompileConfig() to from_pretrained, or call "
+                              "qcompile.load(path)")
+
+
+def _checked_shard_index(original):
+    """transformers' get_checkpoint_shard_files, after qcompile's check of a local index's structure
+    (a broken index is qcompile's CheckpointError naming it, not a KeyError inside transformers)."""
+    def get_checkpoint_shard_files(pretrained_model_name_or_path, index_filename, *args, **kwargs):
+        if os.path.isfile(index_filename):
+            index_weight_map(index_filename)
+        return original(pretrained_model_name_or_path, index_filename, *args, **kwargs)
+    get_checkpoint_shard_files.qcompile_checked = True
+    return get_checkpoint_shard_files
+
+
 def register_with_transformers() -> None:
-    """Idempotent. Registers "qcompile" and "modelopt" quant methods with transformers."""
-    if AUTO_QUANTIZER_MAPPING.get("qcompile") is QCompileHfQuantizer:
-        return
-    AUTO_QUANTIZATION_CONFIG_MAPPING["qcompile"] = QCompileConfig
-    AUTO_QUANTIZER_MAPPING["qcompile"] = QCompileHfQuantizer
-    if "modelopt" not in AUTO_QUANTIZATION_CONFIG_MAPPING:
-        AUTO_QUANTIZATION_CONFIG_MAPPING["modelopt"] = ModelOptConfig
-        AUTO_QUANTIZER_MAPPING["modelopt"] = QCompileHfQuantizer
-    AutoHfQuantizer.merge_quantization_configs = _merge_quantization_configs(
-        AutoHfQuantizer.merge_quantization_configs.__func__)
+    """Idempotent and thread-safe. Registers "qcompile" and "modelopt" quant methods with transformers."""
+    with _REGISTER_LOCK:
+        if AUTO_QUANTIZER_MAPPING.get("qcompile") is QCompileHfQuantizer:
+            return
+        AUTO_QUANTIZATION_CONFIG_MAPPING["qcompile"] = QCompileConfig
+        AUTO_QUANTIZER_MAPPING["qcompile"] = QCompileHfQuantizer
+        if "modelopt" not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+            AUTO_QUANTIZATION_CONFIG_MAPPING["modelopt"] = ModelOptConfig
+            AUTO_QUANTIZER_MAPPING["modelopt"] = QCompileHfQuantizer
+        AutoHfQuantizer.merge_quantization_configs = _merge_quantization_configs(
+            AutoHfQuantizer.merge_quantization_configs.__func__)
+        if not getattr(modeling_utils.get_checkpoint_shard_files, "qcompile_checked", False):
+            modeling_utils.get_checkpoint_shard_files = _checked_shard_index(modeling_utils.get_checkpoint_shard_files)
 
 
 # -- public entry point -------------------------------------------------------------------------
@@ -249,31 +261,45 @@ def checkpoint_quant_config(path: str) -> dict | None:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError("no config.json", where=path, fix="point at a HF checkpoint directory")
-    with open(cfg_path) as f:
-        try:
-            cfg = json.load(f)
-        except ValueError as e:
-            raise ConfigError(f"config.json is not valid JSON ({e})", where=cfg_path, fix="repair the file") from None
-    if isinstance(cfg.get("quantization_config"), dict):
-        return cfg["quantization_config"]
+    quant = read_json(cfg_path, "config.json").get("quantization_config")
+    if quant is not None:
+        if not isinstance(quant, dict):
+            raise ConfigError(f"quantization_config must be a JSON object, got a JSON {type(quant).__name__}",
+                              where=f"{cfg_path}: quantization_config",
+                              fix="write the producer's quantization config object there, or remove the key")
+        return quant
     legacy = os.path.join(path, "hf_quant_config.json")
-    if os.path.isfile(legacy):
-        with open(legacy) as f:
-            try:
-                return json.load(f)
-            except ValueError as e:
-                raise ConfigError(f"not valid JSON ({e})", where=legacy, fix="repair the file") from None
-    return None
+    return read_json(legacy, "hf_quant_config.json") if os.path.isfile(legacy) else None
+
+
+def _device_map(device: str | torch.device | None) -> dict | None:
+    """``from_pretrained``'s device_map for ``device``, refused when torch cannot place a tensor there."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError(f"invalid device {device!r:.80} ({str(e).splitlines()[0]})",
+                          where="qcompile.load(device=...)",
+                          fix='pass "cpu", "cuda", "cuda:<index>" or a torch.device') from None
+    try:
+        torch.empty(0, device=dev)
+    except (AssertionError, RuntimeError) as e:
+        raise UnsupportedError(f"this machine cannot place tensors on {dev} ({e})", where="qcompile.load(device=...)",
+                               fix='pass device="cpu" (or leave it out), or run where that device exists') from None
+    return {"": str(dev)}
 
 
 def load(path: str, device: str | torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
          online: str | None = None, ignore: list[str] | None = None, **kwargs):
     """Load a quantized (or, with ``online=``, a bf16) causal-LM checkpoint directory as a
     transformers model with qcompile's QuantLinear layers. ``device``: where weights go
-    ("cpu", "cuda", ...). Extra kwargs go to ``from_pretrained``."""
+    ("cpu", "cuda", ...). Extra kwargs go to ``from_pretrained``. Safe to call from several threads
+    (loads run one at a time)."""
     from transformers import AutoModelForCausalLM
 
     register_with_transformers()
+    device_map = _device_map(device)
     source = checkpoint_quant_config(path)
     if online is not None:
         if source is not None:
@@ -286,6 +312,7 @@ def load(path: str, device: str | torch.device | None = None, dtype: torch.dtype
     else:
         qcfg = QCompileConfig(source=source)
     parse_quant_config(qcfg.source)  # fail fast, before transformers builds anything
-    device_map = {"": str(device)} if device is not None else None
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map, quantization_config=qcfg,
-                                                **kwargs)
+    read_checkpoint_dir(os.path.join(path, kwargs.get("subfolder") or ""), kwargs.get("variant"))
+    with _LOAD_LOCK:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
+                                                    quantization_config=qcfg, **kwargs)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import qcompile
 from qcompile.errors import CheckpointError, ConfigError, UnsupportedError
+from tests.test_checkpoint_files import FILE_CASES, INDEX, INDEX_CASES, SHARDS, shard_checkpoint, split_header
 
 Q = "model.layers.0.self_attn.q_proj"
 G = "model.layers.1.mlp.gate_proj"
@@ -103,6 +104,20 @@ CASES = {
                            lambda c: c["quantization_config"].update(quant_algo="FP3"), (), ConfigError, "FP3"),
     "ignore is not a list": ("ct-fp8-dynamic", None,
                              lambda c: c["quantization_config"].update(ignore="lm_head"), (), ConfigError, "ignore"),
+    "quantization_config is a list": ("modelopt-fp8", None, lambda c: c.update(quantization_config=[{}]), (),
+                                      ConfigError, "config.json: quantization_config"),
+    "quantization_config is a string": ("ct-fp8-dynamic", None, lambda c: c.update(quantization_config="fp8"), (),
+                                        ConfigError, "got a JSON str"),
+    "non-string kv_cache_quant_algo beside kv_cache_scheme": (
+        "modelopt-fp8", None, lambda c: c["quantization_config"].update(
+            kv_cache_scheme={"type": "float", "num_bits": 8}, kv_cache_quant_algo=8), (), ConfigError,
+        "quantization_config.kv_cache_quant_algo"),
+    "kv_cache_scheme is a string (compressed-tensors)": (
+        "ct-fp8-dynamic", None, lambda c: c["quantization_config"].update(kv_cache_scheme="fp8"), (), ConfigError,
+        "quantization_config.kv_cache_scheme"),
+    "ignore pattern that backtracks exponentially": (
+        "ct-fp8-dynamic", None, lambda c: c["quantization_config"]["ignore"].append("re:(.*)*x"), (), ConfigError,
+        "'re:(.*)*x' can backtrack"),
 }
 
 
@@ -135,8 +150,73 @@ def test_truncated_safetensors_header(synth_ckpt, tmp_path):
     shutil.copytree(synth_ckpt("modelopt-fp8"), tmp_path / "ck")
     f = tmp_path / "ck" / "model.safetensors"
     f.write_bytes(f.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match="unreadable safetensors header"):
+    with pytest.raises(CheckpointError, match="header length field says"):
         qcompile.load(str(tmp_path / "ck"))
+
+
+@pytest.mark.parametrize("case", sorted(FILE_CASES))
+def test_malformed_safetensors_file(case, synth_ckpt, tmp_path):
+    """Each file-level corruption of a real checkpoint's model.safetensors, through qcompile.load."""
+    corrupt, text = FILE_CASES[case]
+    shutil.copytree(synth_ckpt("modelopt-fp8"), tmp_path / "ck")
+    f = tmp_path / "ck" / "model.safetensors"
+    f.write_bytes(corrupt(*split_header(f.read_bytes())))
+    with pytest.raises(CheckpointError) as e:
+        qcompile.load(str(tmp_path / "ck"))
+    msg = str(e.value)
+    assert str(f) in msg and text in msg and "Fix:" in msg, msg
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["qcompile.load", "from_pretrained"])
+@pytest.mark.parametrize("case", sorted(INDEX_CASES))
+def test_malformed_sharded_checkpoint(case, plain, synth_ckpt, tmp_path):
+    """Each broken or hostile shard index / shard set, through qcompile.load and through plain
+    from_pretrained (ModelOpt needs no quantization_config there)."""
+    from transformers import AutoModelForCausalLM
+
+    corrupt, text = INDEX_CASES[case]
+    path = tmp_path / "ck"
+    shard_checkpoint(synth_ckpt("modelopt-fp8"), path)
+    corrupt(path)
+    with pytest.raises(CheckpointError) as e:
+        AutoModelForCausalLM.from_pretrained(str(path)) if plain else qcompile.load(str(path))
+    msg = str(e.value)
+    assert text in msg and (INDEX in msg or SHARDS[1] in msg) and "Fix:" in msg, msg
+
+
+@pytest.mark.parametrize("name", ["config.json", "hf_quant_config.json"])
+def test_deeply_nested_config(name, synth_ckpt, tmp_path):
+    path = mutate(synth_ckpt("modelopt-fp8"), tmp_path / "ck", config=drop_quant)
+    (path / name).write_text('{"quantization": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError) as e:
+        qcompile.load(str(path))
+    assert name in str(e.value) and "nests too deeply" in str(e.value), str(e.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda(synth_ckpt):
+    with pytest.raises(UnsupportedError, match='cuda.*Fix: pass device="cpu"'):
+        qcompile.load(str(synth_ckpt("modelopt-fp8")), device="cuda")
+
+
+@pytest.mark.parametrize("device", ["banana", "cuda:x", "cpu:-1", 3.5])
+def test_invalid_device(device, synth_ckpt):
+    with pytest.raises(ConfigError, match=r"invalid device .*Fix: pass \"cpu\""):
+        qcompile.load(str(synth_ckpt("modelopt-fp8")), device=device)
+
+
+@pytest.mark.parametrize("name,package,check", [
+    ("llmcompressor-fp8-dynamic-dense", "compressed-tensors", "is_compressed_tensors_available"),
+    ("quark-w-mxfp4-dense", "amd-quark", "is_quark_available")])
+def test_plain_from_pretrained_without_the_formats_package(name, package, check, testdata):
+    """transformers would ask for its own quantizer's package; qcompile reads the format and says how."""
+    import transformers.utils
+    from transformers import AutoModelForCausalLM
+
+    if getattr(transformers.utils, check)():
+        pytest.skip(f"{package} is installed: transformers' own quantizer runs")
+    with pytest.raises(ConfigError, match=rf"{package} package.*Fix: pass quantization_config=qcompile.QCompileConfig"):
+        AutoModelForCausalLM.from_pretrained(str(testdata / name))
 
 
 def test_at_least_twenty_cases():

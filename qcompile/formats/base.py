@@ -14,6 +14,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+try:  # the regex parser (Python 3.11+ / 3.10)
+    from re import _constants as sre, _parser as sre_parse
+except ImportError:  # pragma: no cover
+    import sre_constants as sre
+    import sre_parse
+
 from ..errors import ConfigError
 from ..scheme import KVCacheSpec, LayerQuant
 
@@ -126,8 +132,14 @@ class NamePattern:
             raise ConfigError("the pattern is empty", where=where, fix=fix)
         try:
             if text.startswith("re:"):
+                risk = backtracking_risk(text[3:])
+                if risk:
+                    raise ConfigError(f"the pattern {text!r:.80} can backtrack for hours on one name: {risk}",
+                                      where=where, fix="simplify it: no repeat inside a repeat, no alternatives "
+                                      f"starting alike under a repeat, at most {MAX_UNBOUNDED_REPEATS} unbounded "
+                                      "repeats (e.g. 're:.*mlp' for 're:(.*)*mlp')")
                 return cls(text, re.compile(text[3:]))
-            if globs and any(c in text for c in "*?["):
+            if globs and any(c in text for c in "*?["):  # fnmatch's translation cannot backtrack badly
                 return cls(text, re.compile(fnmatch.translate(text)))
         except (re.error, RecursionError, OverflowError) as e:
             raise ConfigError(f"invalid pattern {text!r:.80} ({e})", where=where, fix=fix) from None
@@ -135,6 +147,75 @@ class NamePattern:
 
     def matches(self, name: str) -> bool:
         return self.regex.match(name) is not None if self.regex else self.text == name
+
+
+MAX_UNBOUNDED_REPEATS = 4  # k unbounded repeats in a row cost up to n**k steps on an n-character name
+_REPEATS = tuple(getattr(sre, op) for op in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") if hasattr(sre, op))
+_NESTED = "an unbounded repeat inside an unbounded repeat"
+_ALIKE = "alternatives that may start alike inside an unbounded repeat"
+
+
+def backtracking_risk(regex: str) -> str | None:
+    """Why ``regex`` can backtrack catastrophically, or None, judged on its parse tree: an unbounded
+    repeat holding another one (``(.*)*``, ``(a+)+``: exponential), an alternation whose branches may
+    start alike inside an unbounded repeat (``(a|ab)*``: exponential), or more than
+    MAX_UNBOUNDED_REPEATS unbounded repeats in all, a bounded repeat multiplying those inside it
+    (``.*.*.*.*.*x``, ``(.*){9}``: polynomial of that degree)."""
+    found = list(_walk(sre_parse.parse(regex), 1, False))
+    risk = next((f for f in found if isinstance(f, str)), None)
+    if risk is None and sum(f for f in found if isinstance(f, int)) > MAX_UNBOUNDED_REPEATS:
+        risk = f"more than {MAX_UNBOUNDED_REPEATS} unbounded repeats"
+    return risk
+
+
+def _walk(items, times: int, inside: bool):
+    """Yield ``times`` for each unbounded repeat in ``items`` (run up to ``times`` times by bounded
+    repeats around them) and a reason string for each risky shape (``inside``: under an unbounded repeat)."""
+    for op, av in items:
+        if op in _REPEATS and av[1] > 1:
+            unbounded = av[1] == sre.MAXREPEAT
+            if unbounded:
+                yield _NESTED if inside else times
+            yield from _walk(av[2], times if unbounded else times * av[1], inside or unbounded)
+        elif op in _REPEATS:
+            yield from _walk(av[2], times, inside)
+        elif op is sre.BRANCH:
+            firsts = [_first_chars(branch) for branch in av[1]]
+            if inside and (None in firsts or len(set().union(*firsts)) < sum(map(len, firsts))):
+                yield _ALIKE
+            for branch in av[1]:
+                yield from _walk(branch, times, inside)
+        else:
+            for sub in _subpatterns(op, av):
+                yield from _walk(sub, times, inside)
+
+
+def _subpatterns(op, av) -> list:
+    if op is sre.SUBPATTERN:
+        return [av[-1]]
+    if op in (sre.ASSERT, sre.ASSERT_NOT):
+        return [av[1]]
+    if op is getattr(sre, "ATOMIC_GROUP", None):
+        return [av]
+    if op is sre.GROUPREF_EXISTS:
+        return [p for p in av[1:] if p is not None]
+    return []
+
+
+def _first_chars(items) -> set[str] | None:
+    """The characters (case folded) a match of ``items`` can start with, or None when any (or none) can."""
+    if not items:
+        return None
+    op, av = items[0]
+    if op is sre.LITERAL:
+        return {chr(av).lower()}
+    if op is sre.IN and all(o is sre.LITERAL for o, _ in av):
+        return {chr(v).lower() for _, v in av}
+    if op is sre.SUBPATTERN:
+        return _first_chars(av[-1])
+    if op in _REPEATS and av[0] > 0:
+        return _first_chars(av[2])
+    return None
 
 
 def resolve_experts(name: str, resolve_linear: Callable[[str], LayerQuant | None]) -> LayerQuant | None:

@@ -170,12 +170,16 @@ def parse(config: dict[str, Any]) -> ModelOptConfig:
                               fix=f"add {missing} to hf_quant_config.json (null / [] when unused)")
     exclude = split_subtree_patterns(_patterns(section.get(exclude_key), f"{path}.{exclude_key}"))
     group_size = _optional_int(section.get("group_size"), f"{path}.group_size")
-    if legacy:
-        kv_cache = _kv_cache_algo(section.get("kv_cache_quant_algo"), f"{path}.kv_cache_quant_algo")
-    elif section.get("kv_cache_scheme") is not None:
-        kv_cache = _kv_cache_scheme(section["kv_cache_scheme"], f"{path}.kv_cache_scheme")
-    else:  # not read by the reference in this form; honoured rather than silently dropped
-        kv_cache = _kv_cache_algo(section.get("kv_cache_quant_algo"), f"{path}.kv_cache_quant_algo")
+    # config.json's form: the reference reads kv_cache_scheme; kv_cache_quant_algo is checked too and
+    # honoured without it rather than silently dropped
+    kv_cache = _kv_cache_algo(section.get("kv_cache_quant_algo"), f"{path}.kv_cache_quant_algo")
+    if not legacy and section.get("kv_cache_scheme") is not None:
+        scheme = _kv_cache_scheme(section["kv_cache_scheme"], f"{path}.kv_cache_scheme")
+        if kv_cache is not None and kv_cache.dtype != scheme.dtype:
+            raise ConfigError(f"kv_cache_scheme ({scheme.dtype.value}) and kv_cache_quant_algo "
+                              f"({kv_cache.dtype.value}) disagree", where=f"{path}.kv_cache_scheme",
+                              fix="keep one of them, or make them name the same KV-cache format")
+        kv_cache = scheme
 
     layers = None
     if algo == MIXED:

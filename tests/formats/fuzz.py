@@ -1,8 +1,13 @@
-"""The hypothesis fuzzing shared by the quantization-config parser tests: JSON-like values built from a
-format's own keys and words, mutations of seed configs, and the one invariant (``exercise``): parse,
-describe and resolve either succeed or raise a QCompileError with a message, nothing else."""
+"""The hypothesis fuzzing shared by the quantization-config parser tests and the checkpoint-file tests:
+JSON-like values built from a format's own keys and words, mutations of seed configs, the one invariant
+(``exercise``): parse, describe and resolve either succeed or raise a QCompileError with a message,
+nothing else, and ``bounded``: an example that hangs or allocates much fails instead."""
 
 from __future__ import annotations
+
+import contextlib
+import signal
+import tracemalloc
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -71,3 +76,29 @@ def exercise(parse, config, probes, moe_probe=None, errors=QCompileError):
             cfg.resolve(name, kind)
         except errors as e:
             assert str(e)
+
+
+class Hang(Exception):
+    """An example ran past its time limit (deliberately not a QCompileError)."""
+
+
+@contextlib.contextmanager
+def bounded(seconds: float = 5.0, max_bytes: int | None = None):
+    """Run the block with a wall-clock limit (SIGALRM: main thread only; ``re`` and Python code see it)
+    and, with ``max_bytes``, fail when its Python allocations peak above that (tracemalloc)."""
+    def expire(signum, frame):
+        raise Hang(f"the example ran longer than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    if max_bytes is not None:
+        tracemalloc.start()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if max_bytes is not None:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            assert peak <= max_bytes, f"the example allocated {peak} bytes (limit {max_bytes})"
