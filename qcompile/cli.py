@@ -48,8 +48,8 @@ class _Version(argparse.Action):
         import transformers
 
         import qcompile
-        parser.exit(message=f"qcompile {qcompile.__version__} (torch {torch.__version__}, "
-                            f"transformers {transformers.__version__})\n")
+        print(f"qcompile {qcompile.__version__} (torch {torch.__version__}, transformers {transformers.__version__})")
+        parser.exit()
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
@@ -210,14 +210,15 @@ def _tokenizer(path: str):
             return AutoTokenizer.from_pretrained(tmp)
 
 
-def _weight_only_modules(rows) -> list[str]:
-    """The layers whose scheme quantizes activations but whose kernel does not (explain: "activations
-    not quantized")."""
+def _activation_modes(rows) -> tuple[list[str], list[str]]:
+    """The quantized layers whose scheme quantizes activations, split: (those compiled weight-only,
+    explain's "activations not quantized"; those whose kernels quantize activations)."""
     from qcompile.passes.linear import _weight_only
     from qcompile.scheme import parse_scheme_key
 
-    return [r.module for r in rows if r.op != "aten::linear" and parse_scheme_key(r.scheme).act is not None
-            and _weight_only(r.op)]
+    act_rows = [r for r in rows if r.op != "aten::linear" and parse_scheme_key(r.scheme).act is not None]
+    weight_only = [r.module for r in act_rows if _weight_only(r.op)]
+    return weight_only, [r.module for r in act_rows if r.module not in weight_only]
 
 
 # -- qcompile explain -----------------------------------------------------------------------------
@@ -235,7 +236,7 @@ def cmd_explain(args) -> int:
         torch.compile(model, backend=be, dynamic=False)(ids)
     print("\n" + be.explain() + "\n")
     kernels = sorted({r.kernel for r in be.rows})
-    weight_only = _weight_only_modules(be.rows)
+    weight_only, _ = _activation_modes(be.rows)
     print(f"{len(be.rows)} layers: kernels {', '.join(kernels) or 'none'}; "
           f"{len(weight_only)} run weight-only (activations not quantized)")
     return EXIT_OK
@@ -285,7 +286,11 @@ def cmd_run(args) -> int:
 
         failed = _check(model, ids, eager, compiled, be.rows, args.max_rel_error)
         if args.compare_bf16:
-            _compare_bf16(model, path, args, ids, rate)
+            del step
+            if args.online:  # the bf16 checkpoint itself; the FP8 model goes first
+                model = None
+                model = _load_bf16(path, dev)
+            _compare_bf16(model, args, ids, rate)
     if failed:
         print(f"qcompile: check failed: {failed}", file=sys.stderr)
         return EXIT_CHECK_FAILED
@@ -329,33 +334,19 @@ def _check(model, ids, eager, compiled, rows, max_rel_error: float) -> str | Non
     returns what failed, or None. Dequantizes ``model`` in place (it is not needed quantized after).
 
     The reference: the eager model where the kernels compute what the scheme says, and the weights
-    dequantized with unquantized activations where they run weight-only. Where activations are
-    quantized, a compiler's fp32 intermediates round some activations to the neighbouring code and
+    dequantized with unquantized activations where they run weight-only. Where kernels quantize
+    activations, a compiler's fp32 intermediates round some activations to the neighbouring code and
     the logits move by about as much as the activation quantization itself does (measured on the
     tiny models: 0.7-1.0x), so the limit is raised to ACT_NOISE_FACTOR times that effect."""
     import torch
 
-    weight_only = _weight_only_modules(rows)
+    weight_only, act_quantized = _activation_modes(rows)
     with torch.no_grad():
-        matched = eager
-        if weight_only:
-            matched = _dequantize(model, weight_only)(ids).logits.float()
+        matched = _dequantize(model, weight_only)(ids).logits.float() if weight_only else eager
         reference = _dequantize(model)(ids).logits.float()
-    act_effect = _rel(matched, reference)
+    act_effect = _rel(matched, reference) if act_quantized else 0.0
     limit = max(max_rel_error, ACT_NOISE_FACTOR * act_effect)
-    n_quant = sum(r.op != "aten::linear" for r in rows)
-    if not weight_only:
-        name, expect = "compiled vs eager model", (
-            f"all {n_quant} quantized layers run kernels that compute what the scheme says, so the compiled "
-            "model should match the eager one")
-    elif len(weight_only) == n_quant:
-        name, expect = "compiled vs weight-only reference", (
-            f"all {n_quant} quantized layers run weight-only kernels (activations not quantized), so the "
-            "compiled model should match the dequantized weights with unquantized activations")
-    else:
-        name, expect = "compiled vs mixed reference", (
-            f"{len(weight_only)} of {n_quant} quantized layers run weight-only kernels, so the compiled model "
-            "should match the eager one with those layers' weights dequantized and their activations unquantized")
+    name, expect = _reference(sum(r.op != "aten::linear" for r in rows), len(weight_only))
     err = _rel(compiled, matched)
     print("relative error of the logits on the prompt (Frobenius norm):")
     print(f"  compiled vs eager model (the scheme as written)                           {_rel(compiled, eager):.3e}")
@@ -372,29 +363,49 @@ def _check(model, ids, eager, compiled, rows, max_rel_error: float) -> str | Non
             "--kernel reference runs the reference path.")
 
 
-def _compare_bf16(model, path: str, args, ids, rate) -> None:
-    """Time the same weights in bf16 under plain torch.compile: ``model`` already dequantized, or
-    with --online the unquantized checkpoint."""
+def _reference(n_quantized: int, n_weight_only: int) -> tuple[str, str]:
+    """The check's name and what it expects, for ``n_weight_only`` of ``n_quantized`` layers
+    compiled weight-only."""
+    if n_weight_only == 0:
+        return "compiled vs eager model", (
+            f"all {n_quantized} quantized layers run kernels that compute what the scheme says, so the compiled "
+            "model should match the eager one")
+    if n_weight_only == n_quantized:
+        return "compiled vs weight-only reference", (
+            f"all {n_quantized} quantized layers run weight-only kernels (activations not quantized), so the "
+            "compiled model should match the dequantized weights with unquantized activations")
+    return "compiled vs mixed reference", (
+        f"{n_weight_only} of {n_quantized} quantized layers run weight-only kernels, so the compiled model should "
+        "match the eager one with those layers' weights dequantized and their activations unquantized")
+
+
+def _load_bf16(path: str, dev):
     import torch
     from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map={"": str(dev)}).eval()
+
+
+def _compare_bf16(model, args, ids, rate) -> None:
+    """Time ``model`` (bf16: the dequantized weights, or the checkpoint itself with --online) under
+    torch.compile with the same inner compiler qcompile used (inductor: plain torch.compile)."""
+    import torch
 
     from qcompile import bench
 
     torch._dynamo.reset()
-    if args.online:
-        dev = model.device
-        del model
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map={"": str(dev)}).eval()
-        source = "the bf16 checkpoint"
+    graphs = model.device.type == "cuda" and args.inner == "inductor"
+    if args.inner == "inductor":
+        step = torch.compile(model.forward, dynamic=False, mode="reduce-overhead" if graphs else None)
+        how = "plain torch.compile" + (" mode=reduce-overhead" if graphs else "")
     else:
-        source = "dequantized weights"
-    graphs = model.device.type == "cuda"
-    step = torch.compile(model.forward, dynamic=False, mode="reduce-overhead" if graphs else None)
+        step = torch.compile(model.forward, dynamic=False, backend=args.inner)
+        how = f"torch.compile(backend={args.inner!r})"
     _, bf16_rate = bench.greedy_decode(model, step, ids, args.max_new_tokens)
-    how = f"bf16 {source}, plain torch.compile" + (" mode=reduce-overhead" if graphs else "")
-    print(_rate_line(bf16_rate, how, args, model.device))
+    source = "the bf16 checkpoint" if args.online else "dequantized weights"
+    print(_rate_line(bf16_rate, f"bf16 {source}, {how}", args, model.device))
     if rate and bf16_rate:
-        note = "" if graphs else " (on CPU the quantized ops are emulated: this says nothing about a GPU)"
+        note = "" if graphs else " (without CUDA graphs on a GPU; on CPU the quantized ops are emulated)"
         print(f"qcompile / bf16 decode speed: {rate / bf16_rate:.2f}x{note}")
 
 
