@@ -221,6 +221,24 @@ def _activation_modes(rows) -> tuple[list[str], list[str]]:
     return weight_only, [r.module for r in act_rows if r.module not in weight_only]
 
 
+def _compile_and_call(model, ids, be):
+    """Compile ``model`` with the backend ``be`` and call it on ``ids``; returns ``be`` with the
+    logits (float) as ``be.logits``. Refuses a compilation that handed qcompile no quantized layer."""
+    import torch
+
+    from qcompile.errors import UnsupportedError
+
+    torch._dynamo.reset()  # a fresh start: earlier compilations in this process count towards its limits
+    with torch.no_grad():
+        be.logits = torch.compile(model, backend=be, dynamic=False)(ids).logits.float()
+    if model.qcompile_plan and not any(r.op != "aten::linear" for r in be.rows):
+        raise UnsupportedError(
+            f"torch.compile handed none of the model's {len(model.qcompile_plan)} quantized layers to qcompile "
+            "(the model ran uncompiled)", where="torch.compile",
+            fix="TORCH_LOGS=graph_breaks,recompiles shows why Dynamo did not capture the forward")
+    return be
+
+
 # -- qcompile explain -----------------------------------------------------------------------------
 
 def cmd_explain(args) -> int:
@@ -231,9 +249,7 @@ def cmd_explain(args) -> int:
     with _checkpoint(args) as (path, _):
         model = _load(path, args)
     ids = torch.arange(3, 11, device=model.device)[None] % model.config.vocab_size
-    be = qcompile.backend(inner=args.inner, kernels=_kernels(args))
-    with torch.no_grad():
-        torch.compile(model, backend=be, dynamic=False)(ids)
+    be = _compile_and_call(model, ids, qcompile.backend(inner=args.inner, kernels=_kernels(args)))
     print("\n" + be.explain() + "\n")
     kernels = sorted({r.kernel for r in be.rows})
     weight_only, _ = _activation_modes(be.rows)
@@ -267,11 +283,11 @@ def cmd_run(args) -> int:
         tok = _tokenizer(path)
         dev = model.device
         ids = tok(args.prompt, return_tensors="pt").input_ids.to(dev)
-        be = qcompile.backend(inner=args.inner, kernels=_kernels(args))
         with torch.no_grad():
             eager = model(ids).logits.float()
-            t0 = time.perf_counter()
-            compiled = torch.compile(model, backend=be, dynamic=False)(ids).logits.float()
+        t0 = time.perf_counter()
+        be = _compile_and_call(model, ids, qcompile.backend(inner=args.inner, kernels=_kernels(args)))
+        compiled = be.logits
         print(f"compiled in {time.perf_counter() - t0:.1f} s (first call, inner compiler {args.inner})")
         print("\n" + be.explain() + "\n")
 

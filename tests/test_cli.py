@@ -116,6 +116,13 @@ def test_explain_with_a_kernel_override(capsys):
     assert kernels["model.layers.1.mlp.up_proj"] == "fp8_emulated"
 
 
+def test_a_compilation_that_reaches_no_quantized_layer_is_an_error(capsys, monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # as if Dynamo fell back to eager
+    assert cli.main(["explain", "--format", "ct-fp8-block"]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("qcompile: error: torch.compile: torch.compile handed none of the model's 14 quantized")
+
+
 # -- run --------------------------------------------------------------------------------------------
 
 def test_run_builtin_model_labels_random_output_and_cleans_up(capsys, leftovers):

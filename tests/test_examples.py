@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BUDGET_S = 900  # per script; the slowest (generate.py, three compilations) took ~4 minutes on 2 busy cores
+BUDGET_S = 900  # per script; each took 1.5-3.5 minutes on 2 cores shared with other jobs
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +69,6 @@ def test_explain(tmp_path):
 def test_benchmark_plot_writes_the_png(tmp_path):
     out = run_example("benchmark_plot.py", tmp_path)
     png = tmp_path / "linear_latency.png"
-    assert f"wrote linear_latency.png" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "wrote linear_latency.png" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [x for x in out.splitlines() if x.startswith("[")]
     assert len(rows) == 6 and all("M=1 " in r and "M=64 " in r for r in rows)  # 3 shapes x (qcompile, bf16)
