@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                           f"{ACT_NOISE_FACTOR}x the activation quantization's own effect on the logits: the "
                           "compiler's fp32 intermediates round activations differently (default: %(default)s)")
     run.add_argument("--compare-bf16", action="store_true",
-                     help="also time the same weights in bf16 under plain torch.compile (the dequantized model, "
-                          "or with --online the bf16 checkpoint itself) and print the speed ratio")
+                     help="also time decoding with the same weights in bf16 (the dequantized model, or with "
+                          "--online the bf16 checkpoint itself) under torch.compile with the same inner compiler "
+                          "(inductor: plain torch.compile; on a GPU both with CUDA graphs) and print the ratio")
     run.set_defaults(func=cmd_run)
 
     explain = sub.add_parser(
