@@ -1,1 +1,7 @@
-from .cli import main; import sys; sys.exit(main())
+"""``python -m qcompile``: the command line (:mod:`qcompile.cli`)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

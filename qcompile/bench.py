@@ -10,11 +10,14 @@ Floors: memory = (weight + x + out bytes) / ``--tbps``; compute = 2·M·N·K / `
 block recipe runs in cuBLASLt (BLOCK_MIN_ROWS / BLOCK_ROW_MULTIPLE) and where RowWise _scaled_mm
 overtakes TensorWise + epilogue for per-token x per-channel (ROWWISE_MIN_M).
 The CLI ``qcompile bench`` calls :func:`run` with the namespace of :func:`add_arguments`.
+
+:func:`greedy_decode` and :func:`device_label` time decoding for ``qcompile run``.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import sys
@@ -34,17 +37,21 @@ RECIPES = [  # (weight, activation) of fp8_scheme
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--n", type=int, default=8192, help="out_features")
-    p.add_argument("--k", type=int, default=8192, help="in_features")
-    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 128, 4096], help="rows of x")
-    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    p.add_argument("--calls", type=int, default=20, help="calls captured per CUDA graph")
-    p.add_argument("--replays", type=int, default=25, help="timed graph replays (median taken)")
-    p.add_argument("--tbps", type=float, default=3.0, help="memory bandwidth for the floor, TB/s")
+    p.add_argument("--n", type=int, default=8192, help="out_features of the weight (default: %(default)s)")
+    p.add_argument("--k", type=int, default=8192, help="in_features of the weight (default: %(default)s)")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 128, 4096],
+                   help="rows of x (tokens) to time, one table column each (default: 1 16 128 4096)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                   help="activation and output dtype (default: %(default)s)")
+    p.add_argument("--calls", type=int, default=20, help="calls captured per CUDA graph (default: %(default)s)")
+    p.add_argument("--replays", type=int, default=25,
+                   help="timed graph replays; the median is reported (default: %(default)s)")
+    p.add_argument("--tbps", type=float, default=3.0,
+                   help="memory bandwidth in TB/s for the memory floor (default: %(default)s)")
     p.add_argument("--peak-tflops", type=float, default=1979.0,
                    help="fp8 dense peak for the compute floor (H100 SXM datasheet: 1979)")
     p.add_argument("--probe", action="store_true", help="also probe block-recipe M limits and the RowWise crossover")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", default=None, metavar="PATH", help="also write the results as JSON to PATH")
     return p
 
 
@@ -245,7 +252,10 @@ def markdown(results, ms) -> str:
 
 def run(args) -> dict:
     if not torch.cuda.is_available():
-        raise SystemExit("bench_fp8_linear needs a CUDA GPU")
+        from .errors import UnsupportedError
+        raise UnsupportedError(f"this machine has no CUDA GPU (torch {torch.__version__}); the benchmark times "
+                               "CUDA kernels", where="qcompile bench",
+                               fix="run it on a machine with an NVIDIA GPU and a CUDA build of torch")
     import qcompile.kernels.fp8  # noqa: F401  (registers qcompile::fp8_linear)
 
     t0 = time.time()
@@ -288,9 +298,50 @@ def run(args) -> dict:
     return results
 
 
+def device_label(device: torch.device | str) -> str:
+    """What timings were measured on: the GPU's name, or the CPU and its torch threads."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__})"
+    import platform
+    threads = torch.get_num_threads()
+    return (f"CPU {platform.processor() or platform.machine()}, {threads} thread{'s' * (threads != 1)} "
+            f"(torch {torch.__version__})")
+
+
+def greedy_decode(model, step, ids: torch.Tensor, new_tokens: int, warmup: int = 2):
+    """Greedy decoding of batch 1 with a transformers StaticCache: the prompt ``ids`` runs through
+    ``model`` (eager), every further token through ``step`` (the model's forward, compiled). Returns
+    the ``new_tokens`` tokens ([1, new_tokens]) and the decode rate in tokens/s over the steps after
+    the first ``warmup`` (which compile and capture), or None when no step is left to time."""
+    from transformers import StaticCache
+
+    n_prompt, dev = ids.shape[1], ids.device
+    # the argument is `cache` from transformers 5.24 on (`past_key_values` is deprecated there)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = {key: StaticCache(config=model.config, max_cache_len=n_prompt + new_tokens)}
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    t0 = None
+    with torch.no_grad():
+        logits = model(input_ids=ids, cache_position=torch.arange(n_prompt, device=dev), use_cache=True,
+                       **cache).logits
+        tokens = [logits[:, -1:].argmax(-1)]
+        for i in range(new_tokens - 1):
+            if i == warmup:
+                sync()
+                t0 = time.perf_counter()
+            logits = step(input_ids=tokens[-1], cache_position=torch.tensor([n_prompt + i], device=dev),
+                          use_cache=True, **cache).logits
+            tokens.append(logits[:, -1:].argmax(-1))
+        sync()
+    rate = (new_tokens - 1 - warmup) / (time.perf_counter() - t0) if t0 is not None else None
+    return torch.cat(tokens, dim=1), rate
+
+
 def main(argv=None) -> int:
-    run(add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv))
-    return 0
+    """``python benchmarks/bench_fp8_linear.py ...``: the same as ``qcompile bench ...``."""
+    from .cli import main as cli_main
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

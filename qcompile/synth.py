@@ -29,6 +29,9 @@ from .scheme import Granularity
 
 FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "modelopt-fp8-pbwo", "ct-fp8-static", "ct-fp8-dynamic",
            "ct-fp8-block") + synth_4bit.FORMATS
+# The quantized formats: what ``qcompile run --format`` offers ("bf16" is the unquantized source that
+# online quantization starts from).
+QUANTIZED_FORMATS = FORMATS[1:]
 
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

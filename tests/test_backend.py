@@ -70,20 +70,3 @@ def test_explain_table_names_module_scheme_op_kernel_and_reason():
     assert "w=fp8_e4m3/block128x128;a=fp8_e4m3/dynamic/group128" in table
     assert "needs a CUDA device" in table  # why the faster kernel was passed over, on this CPU machine
 
-
-def test_cli_run_builtin_model(capsys):
-    from qcompile.cli import main
-
-    rc = main(["run", "--inner", "aot_eager", "--max-new-tokens", "2", "--format", "ct-fp8-block"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    assert "compiled vs eager logits" in out and "fp8_linear" in out and "generated 2 tokens" in out
-
-
-def test_cli_reports_qcompile_errors_without_a_traceback(tmp_path, capsys):
-    from qcompile.cli import main
-
-    (tmp_path / "config.json").write_text("{}")
-    rc = main(["run", str(tmp_path)])
-    assert rc == 2
-    assert "qcompile: error:" in capsys.readouterr().err
