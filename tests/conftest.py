@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(config, items):
 def testdata() -> Path:
     """The folder of the producers' tiny checkpoints (tests/data/README.md lists them)."""
     if not TESTDATA.is_dir():
-        raise FileNotFoundError(f"producer checkpoints not found at {TESTDATA}: QCOMPILE_TESTDATA names a folder "
-                                "that does not exist (unset it to use tests/data/checkpoints)")
+        raise FileNotFoundError(f"producer checkpoints not found at {TESTDATA}: point QCOMPILE_TESTDATA at a folder "
+                                "of them, or unset it to use tests/data/checkpoints")
     return TESTDATA
 
 
