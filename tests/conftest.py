@@ -1,4 +1,4 @@
-"""Shared fixtures: the producers' tiny checkpoints (../shared/testdata) and synthesized ones."""
+"""Shared fixtures: the producers' tiny checkpoints (tests/data/checkpoints) and synthesized ones."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-TESTDATA = Path(os.environ.get("QCOMPILE_TESTDATA", REPO.parent / "shared" / "testdata" / "checkpoints"))
+DATA = Path(__file__).resolve().parent / "data"
+# the producers' checkpoints shipped with the tests; QCOMPILE_TESTDATA points at another folder of them
+TESTDATA = Path(os.environ.get("QCOMPILE_TESTDATA", DATA / "checkpoints"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,8 +24,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def testdata() -> Path:
+    """The folder of the producers' tiny checkpoints (tests/data/README.md lists them)."""
     if not TESTDATA.is_dir():
-        pytest.skip(f"producer testdata not found at {TESTDATA} (set QCOMPILE_TESTDATA)")
+        raise FileNotFoundError(f"producer checkpoints not found at {TESTDATA}: point QCOMPILE_TESTDATA at a folder "
+                                "of them, or unset it to use tests/data/checkpoints")
     return TESTDATA
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from functools import partial
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -17,10 +15,9 @@ from qcompile.formats import parse_quant_config
 from qcompile.formats.modelopt import LAYER_QUANTS, ModelOptConfig, parse, split_subtree_patterns
 from qcompile.scheme import (MXFP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, Packing, QDtype, QuantScheme, canonical_shape,
                              fp8_scheme, mx_act, shape_matches)
+from tests.conftest import TESTDATA
 from tests.formats import fuzz
 
-TESTDATA = Path(os.environ.get("QCOMPILE_TESTDATA",
-                               Path(__file__).resolve().parents[3] / "shared" / "testdata" / "checkpoints"))
 ATTN = "model.layers.0.self_attn"
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from functools import partial
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -18,10 +16,9 @@ from qcompile.formats.quark import QuarkConfig, parse
 from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, ActSpec, Granularity, KVCacheSpec, Packing, QDtype,
                              QuantScheme, ScaleDtype, ScaleSpec, WeightSpec, canonical_shape, fp8_scheme, mx_act,
                              shape_matches)
+from tests.conftest import TESTDATA
 from tests.formats import fuzz
 
-TESTDATA = Path(os.environ.get("QCOMPILE_TESTDATA",
-                               Path(__file__).resolve().parents[3] / "shared" / "testdata" / "checkpoints"))
 L0 = "model.layers.0"
 LINEARS = [f"{L0}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + \
           [f"{L0}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
