@@ -247,8 +247,8 @@ def plan_kv_scales(model: nn.Module, qconfig: QuantConfig, header: dict) -> dict
     for name in attention:
         pairs = [p for p in KV_SCALE_NAMES if any(f"{name}.{s}" in header for s in p)]
         if len(pairs) > 1:
-            raise CheckpointError(f"the checkpoint stores two sets of KV-cache scales ({pairs[0][0]}, {pairs[1][0]})",
-                                  where=name, fix="keep the one set the checkpoint's producer writes")
+            raise CheckpointError(f"the checkpoint stores two sets of KV-cache scales ({name}.{pairs[0][0]} and "
+                                  f"{name}.{pairs[1][0]})", where=name, fix="keep the set its producer writes")
         if pairs:
             found[name] = pairs[0]
     spec = qconfig.kv_cache
@@ -265,7 +265,7 @@ def plan_kv_scales(model: nn.Module, qconfig: QuantConfig, header: dict) -> dict
         have = f" (other layers have them, e.g. {next(iter(found))})" if found else ""
         raise CheckpointError(
             f"the config declares a {spec.dtype.value} KV cache ({spec.source}) but tensor "
-            f"{missing[0]}.{spec.scale_names[0]!r} is missing{have}", where=missing[0],
+            f"{missing[0]}.{spec.scale_names[0]} is missing{have}", where=missing[0],
             fix="re-export the checkpoint with its KV-cache scales, or drop the KV-cache entry from the config "
                 '(qcompile.load(..., kv_cache="fp8") then computes scales at the first prefill)')
     heads = _num_kv_heads(model)

@@ -103,8 +103,8 @@ def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0, source: st
     if fmt not in FORMATS:
         raise ValueError(f"unknown synthetic format {fmt!r}; choose from {FORMATS}")
     if kv_cache not in KV_CACHE_OPTIONS.get(fmt.partition("-")[0], (None,)):
-        raise ValueError(f"{fmt!r} has no KV-cache option {kv_cache!r}; ModelOpt formats take {KV_CACHE_OPTIONS['modelopt']},"
-                         f" compressed-tensors formats {KV_CACHE_OPTIONS['ct']}")
+        raise ValueError(f"{fmt!r} has no KV-cache option {kv_cache!r}; ModelOpt formats take "
+                         f"{KV_CACHE_OPTIONS['modelopt']}, compressed-tensors formats {KV_CACHE_OPTIONS['ct']}")
     os.makedirs(path, exist_ok=True)
     if source is not None:
         _copy_unquantized(source, path)

@@ -41,8 +41,9 @@ mxfp8-quantized                    ``weight`` fp8, ``weight_scale`` uint8 e8m0 [
 =================================  ===============================================================
 
 Static per-tensor activations add ``input_scale``. ``kv_cache_scheme`` -> ``self_attn.k_scale`` /
-``v_scale`` in the model dtype, [1] (``tensor``) or [num_kv_heads, 1, 1] (``attn_head``). Refused as not representable: asymmetric floats, output activations, 2/3/5/6/7-bit ints,
-sparse or transformed checkpoints and ``quantization_status`` other than ``compressed``.
+``v_scale`` in the model dtype, [1] (``tensor``) or [num_kv_heads, 1, 1] (``attn_head``). Refused as
+not representable: asymmetric floats, output activations, 2/3/5/6/7-bit ints, sparse or transformed
+checkpoints and ``quantization_status`` other than ``compressed``.
 """
 
 from __future__ import annotations
