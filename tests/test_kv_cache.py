@@ -305,3 +305,20 @@ def test_static_fp8_cache_under_torch_compile(bf16_model):
         compiled, cache = decode(True)
     assert rel_err(compiled, eager) < 0.03
     assert int(cache.layers[0].cumulative_length) == 18 and cache.layers[0].keys.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.slow
+def test_benchmark_runs_tiny_on_cpu(tmp_path):
+    """benchmarks/kv_cache.py --tiny: the CPU smoke test of the GPU benchmark (dynamo's eager backend
+    here; inductor on the CPU is test_static_fp8_cache_under_torch_compile's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kv_bench", Path(__file__).parents[1] / "benchmarks" / "kv_cache.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--tiny", "--device", "cpu", "--backend", "eager", "--out", str(tmp_path / "kv.json")])
+    report = json.loads((tmp_path / "kv.json").read_text())
+    assert [r["context"] for r in report["results"]] == [64, 128]
+    for r in report["results"]:
+        assert r["fp8"]["cache_dtype"] == "float8_e4m3fn" and r["fp8_over_bf16_memory"] == 0.5
+        assert r["fp8"]["tok_s"] > 0 and r["first_step_logits_rel_err"] < FP8_TOL
