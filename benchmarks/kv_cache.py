@@ -92,8 +92,10 @@ class Decoder:
         def step(tok, pos):
             return model(input_ids=tok, position_ids=pos, use_cache=True, **kw).logits
 
-        self.step = torch.compile(step, mode=args.compile_mode, backend=args.backend, fullgraph=args.fullgraph)
-        self.tok, self.pos = ids[:, -1:], context  # the same first step for both caches
+        # dynamic=False: the two caches' steps share one code object; no shape may turn symbolic
+        self.step = torch.compile(step, mode=args.compile_mode, backend=args.backend, fullgraph=args.fullgraph,
+                                  dynamic=False)
+        self.tok, self.pos = ids[:, -1:].clone(memory_format=torch.contiguous_format), context  # the same first step for both caches
         self.first_logits = self._call().float()  # compiles; the logits of the same first step for both caches
         for _ in range(2):  # warm-up: CUDA-graph recording and replay
             self._call()

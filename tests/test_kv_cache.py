@@ -80,6 +80,41 @@ def test_scales_load_onto_the_attention_modules(kv_ckpt, fmt, kv):
     assert sorted(model_kv_scales(model)) == [0, 1]
 
 
+def test_any_producers_names_load(kv_ckpt, tmp_path):
+    """vLLM reads every producer's names whatever the config's format: here compressed-tensors scales
+    under Quark's ``k_proj.output_scale`` / ``v_proj.output_scale``."""
+    def rename(sd):
+        for i in (0, 1):
+            for kv in "kv":
+                sd[f"model.layers.{i}.self_attn.{kv}_proj.output_scale"] = sd.pop(f"model.layers.{i}.self_attn.{kv}_scale")
+
+    disk = load_file(str(kv_ckpt("ct-fp8-dynamic") / "model.safetensors"))
+    model = qcompile.load(str(edited(kv_ckpt("ct-fp8-dynamic"), tmp_path, rename)))
+    assert torch.equal(model.get_submodule(ATTN).v_scale, disk[f"{ATTN}.v_scale"].float().expand(2))
+    assert not [n for n, _ in model.named_buffers() if "output_scale" in n]
+
+
+def test_fused_qkv_model_loads_modelopt_names(tmp_path):
+    """Phi-3 has one qkv_proj: ModelOpt still writes ``self_attn.k_proj.k_scale``, under a module the
+    model lacks (a placeholder holds it while it loads)."""
+    from transformers import Phi3Config
+
+    cfg = Phi3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, pad_token_id=0)
+    path = synth.write_checkpoint(str(tmp_path / "phi3"), "modelopt-fp8", config=cfg, kv_cache="fp8")
+    # the FP8 writer quantizes the Llama projections only: the fused ones stay bf16, excluded
+    config = json.loads((tmp_path / "phi3" / "config.json").read_text())
+    config["quantization_config"]["ignore"] += ["*qkv_proj", "*gate_up_proj"]
+    (tmp_path / "phi3" / "config.json").write_text(json.dumps(config))
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    attn = model.model.layers[1].self_attn
+    stored = load_file(f"{path}/model.safetensors")["model.layers.1.self_attn.k_proj.k_scale"]
+    assert torch.equal(attn.k_scale, stored.expand(2)) and not hasattr(attn, "k_proj")
+    ids = torch.randint(3, 384, (1, 8))
+    assert model.generate(ids, max_new_tokens=3, **cache_kwargs(model, FP8Cache(model))).shape == (1, 11)
+
+
 def test_writers_use_the_producers_conventions(kv_ckpt, bf16_model):
     """ModelOpt fp32 0-d and compressed-tensors bf16 [1] / [H, 1, 1] scales of amax / 448 of the keys
     after RoPE (so the calibration keys just reach ±448); the configs declare the cache."""
