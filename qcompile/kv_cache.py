@@ -34,10 +34,11 @@ as ``fp8 · s_k``, values alike; values past ±448 · s saturate, as in vLLM. Wh
 
 Attention reads the cache dequantized: every update returns the whole cache as model-dtype tensors
 (``fp8 · s``) and the model's own attention (sdpa / eager / ...) runs on them. No attention kernel
-that reads fp8 K/V with scales is available to it — none on CPU, and PyTorch's SDPA has none on
-CUDA either — so the dequantization is a separate pass (one fused elementwise kernel under
-torch.compile) over one layer at a time: the cache's memory halves, its read traffic per decode
-step does not.
+that reads fp8 K/V with scales is available to it: there is none on CPU, and SDPA (every backend,
+CUDA included) takes K and V in the query's dtype. So dequantizing is a pass of its own (one fused
+elementwise kernel under torch.compile), one layer at a time: the cache's memory halves, but a
+decode step reads the fp8 cache and writes and reads a model-dtype copy of one layer's K/V — more
+traffic than a bf16 cache (``benchmarks/kv_cache.py`` measures what that costs).
 
 Supported: decoder models whose layers are all full attention (no sliding-window or chunked
 layers), one scale per layer or per KV head.
@@ -66,7 +67,8 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale).to(dtype)
+    """``dtype(q · scale)``, multiplied in fp32 (the in-place product casts once) with no fp32 copy."""
+    return q.to(dtype).mul_(scale)
 
 
 def dynamic_scale(x: torch.Tensor) -> torch.Tensor:
