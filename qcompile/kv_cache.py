@@ -27,8 +27,8 @@ as ``fp8 · s_k``, values alike; values past ±448 · s saturate, as in vLLM. Wh
   (``self_attn.k_proj.k_scale`` / ``v_proj.v_scale``), compressed-tensors ``kv_cache_scheme``
   (``self_attn.k_scale`` / ``v_scale``, per layer or per KV head) and Quark (``k_proj.output_scale``
   / ``v_proj.output_scale``) checkpoints, as ``k_scale`` / ``v_scale`` buffers of each attention
-  module, [num_kv_heads] fp32. The producers calibrate them as amax / 448; ModelOpt's NVFP4 KV-cache
-  and int8 KV-cache checkpoints' scales (amax / 448, amax / 127) serve the FP8 cache as well;
+  module, [num_kv_heads] fp32. The producers calibrate them as amax / 448; the scales of ModelOpt
+  NVFP4 KV caches (amax / 448 too) and of int8 ones (about amax / 127) serve the FP8 cache as well;
 * dynamic: per layer, the first update's (the prefill's) amax / (448 / 2) — a factor 2 of headroom
   for later tokens. Kept once measured, ``reset()`` included; a new cache measures again.
 

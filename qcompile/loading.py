@@ -405,7 +405,7 @@ def load(path: str, device: str | torch.device | None = None, dtype: torch.dtype
         qcfg = QCompileConfig(source=source)
     parse_quant_config(qcfg.source)  # fail fast, before transformers builds anything
     device_map = {"": str(device)} if device is not None else None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map, quantization_config=qcfg,
-                                                 **kwargs)
-    model.qcompile_kv_cache = kv_cache
-    return model
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map, quantization_config=qcfg,
+                                                  **kwargs)
+    (loaded[0] if isinstance(loaded, tuple) else loaded).qcompile_kv_cache = kv_cache  # output_loading_info=True
+    return loaded
