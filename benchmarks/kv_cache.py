@@ -95,7 +95,8 @@ class Decoder:
         # dynamic=False: the two caches' steps share one code object; no shape may turn symbolic
         self.step = torch.compile(step, mode=args.compile_mode, backend=args.backend, fullgraph=args.fullgraph,
                                   dynamic=False)
-        self.tok, self.pos = ids[:, -1:].clone(memory_format=torch.contiguous_format), context  # the same first step for both caches
+        # the same first step for both caches; a contiguous token, as argmax's later ones are (no recompile)
+        self.tok, self.pos = ids[:, -1:].clone(memory_format=torch.contiguous_format), context
         self.first_logits = self._call().float()  # compiles; the logits of the same first step for both caches
         for _ in range(2):  # warm-up: CUDA-graph recording and replay
             self._call()

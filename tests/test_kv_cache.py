@@ -86,7 +86,8 @@ def test_any_producers_names_load(kv_ckpt, tmp_path):
     def rename(sd):
         for i in (0, 1):
             for kv in "kv":
-                sd[f"model.layers.{i}.self_attn.{kv}_proj.output_scale"] = sd.pop(f"model.layers.{i}.self_attn.{kv}_scale")
+                attn = f"model.layers.{i}.self_attn"
+                sd[f"{attn}.{kv}_proj.output_scale"] = sd.pop(f"{attn}.{kv}_scale")
 
     disk = load_file(str(kv_ckpt("ct-fp8-dynamic") / "model.safetensors"))
     model = qcompile.load(str(edited(kv_ckpt("ct-fp8-dynamic"), tmp_path, rename)))
