@@ -125,9 +125,13 @@ class FP8DynamicLayer(_FP8Layer, DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         k, v = self._quantize(key_states, value_states)
-        self.keys = torch.cat([self.keys, k], dim=-2)
-        self.values = torch.cat([self.values, v], dim=-2)
+        self.keys, self.values = (_cat_fp8(old, new) for old, new in ((self.keys, k), (self.values, v)))
         return self._dequantize()
+
+
+def _cat_fp8(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``cat`` along the sequence through uint8 views: every device has a byte kernel."""
+    return torch.cat([old.view(torch.uint8), new.view(torch.uint8)], dim=-2).view(FP8)
 
 
 class FP8StaticLayer(_FP8Layer, StaticLayer):
@@ -156,7 +160,7 @@ class FP8StaticLayer(_FP8Layer, StaticLayer):
         k, v = self._quantize(key_states, value_states)
         positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
         self.cumulative_length.add_(key_states.shape[-2])
-        # through uint8 views: index_copy_ has no float8 kernel on CPU
+        # through uint8 views: index_copy_ has no float8 kernel on the CPU
         self.keys.view(torch.uint8).index_copy_(2, positions, k.view(torch.uint8))
         self.values.view(torch.uint8).index_copy_(2, positions, v.view(torch.uint8))
         return self._dequantize()
