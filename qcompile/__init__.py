@@ -22,6 +22,7 @@ def _register_torch_log():
 _register_torch_log()
 
 from .backend import backend, explain  # noqa: E402
+from . import kv_cache  # noqa: E402  (qcompile.kv_cache.FP8Cache)
 
 __all__ = ["load", "QCompileConfig", "backend", "explain", "QCompileError", "ConfigError", "CheckpointError",
            "UnsupportedError", "LayerQuant", "QuantScheme"]

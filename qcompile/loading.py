@@ -37,13 +37,19 @@ from .checkpoint_files import (confinement_root, find_index, index_weight_map, r
 from .errors import CheckpointError, ConfigError, UnsupportedError
 from .formats import QuantConfig, parse_quant_config
 from .linear import QuantLinear
+from .scheme import squeezed
 
 log = logging.getLogger("qcompile")
 
 # Checkpoint tensor suffixes that only a quantized layer has.
 QUANT_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "weight_packed", "weight_global_scale",
                   "input_global_scale", "weight_zero_point", "weight_g_idx", "weight_shape", "weight_scale_inv")
-KV_SUFFIXES = ("k_scale", "v_scale", "q_scale", "prob_scale")
+# Where producers store a layer's KV-cache scales, relative to its attention module (the three that
+# vLLM's maybe_remap_kv_scale_name reads): ModelOpt's HF export; compressed-tensors (and Quark's "fp8"
+# export mode); Quark.
+KV_SCALE_NAMES = (("k_proj.k_scale", "v_proj.v_scale"), ("k_scale", "v_scale"),
+                  ("k_proj.output_scale", "v_proj.output_scale"))
+ATTENTION_SCALES = ("q_scale", "prob_scale")  # quantized attention itself, which qcompile does not run
 
 class QCompileConfig(QuantizationConfigMixin):
     """qcompile's quantization config for ``from_pretrained``.
@@ -88,6 +94,7 @@ class QCompileHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: QCompileConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.plan: dict[str, QuantLinear] = {}
+        self.kv_scales: dict[str, tuple[str, str]] = {}
 
     def validate_environment(self, *args, **kwargs):
         self.qconfig = self.quantization_config.parsed()
@@ -104,10 +111,12 @@ class QCompileHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         header = read_headers(checkpoint_files, getattr(model.config, "name_or_path", None))
         self.plan = plan_model(model, self.qconfig, header)
+        self.kv_scales = plan_kv_scales(model, self.qconfig, header)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         for module in self.plan.values():
             module.finalize()
+        finalize_kv_scales(model, self.kv_scales)
         model.qcompile_plan = {name: m.lq for name, m in self.plan.items()}
         model.qcompile_config = self.qconfig
         return model
@@ -171,13 +180,14 @@ def _check_unquantized(name: str, header: dict, qconfig: QuantConfig) -> None:
 
 
 def _check_leftovers(model: nn.Module, plan: dict, header: dict, qconfig: QuantConfig) -> None:
-    kv = []
+    """Quantized tensors of modules qcompile does not plan. KV-cache scales are :func:`plan_kv_scales`'s."""
+    unused = []
     for key in header:
         module, _, suffix = key.rpartition(".")
         if module in plan:
             continue
-        if suffix in KV_SUFFIXES:
-            kv.append(key)
+        if suffix in ATTENTION_SCALES:
+            unused.append(key)
             continue
         if suffix in QUANT_SUFFIXES or (suffix == "weight" and header[key][0] in (torch.float8_e4m3fn, torch.uint8)):
             kind = "fused MoE experts" if ".experts." in key or key.endswith("experts") else "this module type"
@@ -185,9 +195,112 @@ def _check_leftovers(model: nn.Module, plan: dict, header: dict, qconfig: QuantC
                 f"the checkpoint stores quantized tensors for a module qcompile cannot run yet ({key}; {kind})",
                 where=module,
                 fix="quantized MoE experts land with the fused-MoE issue; for now use a dense model or exclude the experts")
-    if kv:
-        warnings.warn(f"qcompile: the checkpoint has {len(kv)} KV-cache scales ({kv[0]}, ...); the KV cache stays in "
-                      "the model dtype (KV-cache quantization is not implemented yet)", stacklevel=3)
+    if unused:
+        warnings.warn(f"qcompile: the checkpoint has {len(unused)} attention-quantization scales ({unused[0]}, ...) "
+                      "that are not used: attention runs in the model dtype", stacklevel=3)
+
+
+# -- KV-cache scales -------------------------------------------------------------------------------
+
+def is_attention(module: nn.Module) -> bool:
+    """A decoder attention module of transformers: what reads and writes one KV-cache layer."""
+    return type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int)
+
+
+def _num_kv_heads(model: nn.Module) -> int:
+    cfg = model.config.get_text_config()
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+def plan_kv_scales(model: nn.Module, qconfig: QuantConfig, header: dict) -> dict[str, tuple[str, str]]:
+    """Find every attention module's KV-cache scales in ``header`` (any of :data:`KV_SCALE_NAMES`) and
+    declare fp32 buffers under their checkpoint names, so that transformers loads them;
+    :func:`finalize_kv_scales` then moves them to the attention module. Returns ``{attention module:
+    (key suffix, value suffix)}``. The config and the tensors must agree: scales for every attention
+    layer exactly when the config declares a KV cache, float, one per layer (or per KV head for a
+    per-head config); anything else is a CheckpointError naming the tensor."""
+    attention = [name for name, m in model.named_modules() if is_attention(m)]
+    found = {}
+    for name in attention:
+        pairs = [p for p in KV_SCALE_NAMES if any(f"{name}.{s}" in header for s in p)]
+        if len(pairs) > 1:
+            raise CheckpointError(f"the checkpoint stores two sets of KV-cache scales ({name}.{pairs[0][0]} and "
+                                  f"{name}.{pairs[1][0]})", where=name, fix="keep the set its producer writes")
+        if pairs:
+            found[name] = pairs[0]
+    spec = qconfig.kv_cache
+    stray = sorted(k for k in header if k.rpartition(".")[2] in ("k_scale", "v_scale") and
+                   not any(k.startswith(f"{a}.") for a in found))
+    if spec is None and (found or stray):
+        key = next((f"{name}.{pair[0]}" for name, pair in found.items()), None) or stray[0]
+        raise CheckpointError(f"the checkpoint stores KV-cache scales ({key}, ...) but its {qconfig.format} config "
+                              "declares no KV-cache quantization", where=key.rpartition(".")[0],
+                              fix="add the producer's KV-cache entry to the config (ModelOpt kv_cache_quant_algo, "
+                                  "compressed-tensors kv_cache_scheme) or remove the scales from the checkpoint")
+    missing = [name for name in attention if name not in found]
+    if spec is not None and missing:
+        have = f" (other layers have them, e.g. {next(iter(found))})" if found else ""
+        raise CheckpointError(
+            f"the config declares a {spec.dtype.value} KV cache ({spec.source}) but tensor "
+            f"{missing[0]}.{spec.scale_names[0]} is missing{have}", where=missing[0],
+            fix="re-export the checkpoint with its KV-cache scales, or drop the KV-cache entry from the config "
+                '(qcompile.load(..., kv_cache="fp8") then computes scales at the first prefill)')
+    heads = _num_kv_heads(model)
+    for name, pair in found.items():
+        for suffix in pair:
+            _declare_kv_scale(model, name, suffix, header, heads if spec.per_head else 1)
+    if stray:
+        warnings.warn(f"qcompile: {len(stray)} KV-cache scales belong to no decoder attention layer ({stray[0]}, "
+                      "...); they are not used", stacklevel=3)
+    return found
+
+
+def _declare_kv_scale(model: nn.Module, attention: str, suffix: str, header: dict, count: int) -> None:
+    key = f"{attention}.{suffix}"
+    if key not in header:
+        raise CheckpointError(f"tensor {key!r} is missing; the checkpoint has its key / value pair", where=attention,
+                              fix="re-export the checkpoint: every attention layer stores a key and a value scale")
+    dtype, shape = header[key]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16) or squeezed(shape) != squeezed((count,)):
+        per = f"one per KV head ({count})" if count > 1 else "one per layer"
+        raise CheckpointError(f"tensor {key!r} is {dtype} {list(shape)}; a KV-cache scale is a float, {per}",
+                              where=attention, fix="the checkpoint does not match its KV-cache config; re-export it")
+    owner, _, leaf = key.rpartition(".")
+    parent, _, child = owner.rpartition(".")
+    if owner != attention and not hasattr(model.get_submodule(parent), child):  # e.g. k_proj of a fused qkv model
+        model.get_submodule(parent).register_module(child, KVScalePlaceholder())
+    model.get_submodule(owner).register_buffer(leaf, torch.empty(shape, dtype=torch.float32, device="meta"))
+
+
+class KVScalePlaceholder(nn.Module):
+    """Holds a KV-cache scale stored under a module the model does not have, while it loads."""
+
+
+@torch.no_grad()
+def finalize_kv_scales(model: nn.Module, found: dict[str, tuple[str, str]]) -> None:
+    """Check the loaded scales (finite, positive) and register them on their attention module as
+    non-persistent fp32 buffers ``k_scale`` / ``v_scale`` of shape [num_kv_heads] (a per-layer scale
+    repeated), where :class:`qcompile.kv_cache.FP8Cache` reads them."""
+    heads = _num_kv_heads(model)
+    for name, pair in found.items():
+        attn = model.get_submodule(name)
+        scales = []
+        for suffix in pair:
+            owner, _, leaf = f"{name}.{suffix}".rpartition(".")
+            holder = model.get_submodule(owner)
+            t = holder._buffers.pop(leaf)
+            if t.device.type == "meta":
+                raise CheckpointError(f"tensor {name}.{suffix} was not loaded", where=name,
+                                      fix="the checkpoint index lists it but no shard held it; check the shards")
+            t = t.float().reshape(-1)
+            if not (torch.isfinite(t).all() and (t > 0).all()):
+                raise CheckpointError(f"tensor {name}.{suffix} holds {t.tolist()[:4]}: a KV-cache scale must be "
+                                      "finite and positive", where=name, fix="re-export or re-calibrate the checkpoint")
+            scales.append(t.expand(heads).contiguous() if t.numel() == 1 else t.contiguous())
+            if isinstance(holder, KVScalePlaceholder) and not holder._buffers:
+                delattr(model.get_submodule(owner.rpartition(".")[0]), owner.rpartition(".")[2])
+        for leaf, t in zip(("k_scale", "v_scale"), scales):
+            attn.register_buffer(leaf, t, persistent=False)
 
 
 # -- registration with transformers ------------------------------------------------------------
@@ -291,13 +404,18 @@ def _device_map(device: str | torch.device | None) -> dict | None:
 
 
 def load(path: str, device: str | torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
-         online: str | None = None, ignore: list[str] | None = None, **kwargs):
+         online: str | None = None, ignore: list[str] | None = None, kv_cache: str | None = None, **kwargs):
     """Load a quantized (or, with ``online=``, a bf16) causal-LM checkpoint directory as a
     transformers model with qcompile's QuantLinear layers. ``device``: where weights go
-    ("cpu", "cuda", ...). Extra kwargs go to ``from_pretrained``. Safe to call from several threads
-    (loads run one at a time)."""
+    ("cpu", "cuda", ...). ``kv_cache="fp8"``: the model runs with :class:`qcompile.kv_cache.FP8Cache`,
+    on the checkpoint's KV-cache scales when it has them, else on scales measured at the first
+    prefill (the checkpoint's scales load either way). Extra kwargs go to ``from_pretrained``. Safe to
+    call from several threads (loads run one at a time)."""
     from transformers import AutoModelForCausalLM
 
+    if kv_cache not in (None, "fp8"):
+        raise ConfigError(f"unknown KV-cache dtype {kv_cache!r:.40}", where="qcompile.load(kv_cache=...)",
+                          fix='pass kv_cache="fp8" or leave it out (the cache then stays in the model dtype)')
     register_with_transformers()
     device_map = _device_map(device)
     source = checkpoint_quant_config(path)
@@ -314,5 +432,7 @@ def load(path: str, device: str | torch.device | None = None, dtype: torch.dtype
     parse_quant_config(qcfg.source)  # fail fast, before transformers builds anything
     read_checkpoint_dir(os.path.join(path, kwargs.get("subfolder") or ""), kwargs.get("variant"))
     with _LOAD_LOCK:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
-                                                    quantization_config=qcfg, **kwargs)
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
+                                                      quantization_config=qcfg, **kwargs)
+    (loaded[0] if isinstance(loaded, tuple) else loaded).qcompile_kv_cache = kv_cache  # output_loading_info=True
+    return loaded

@@ -258,9 +258,16 @@ def shape_matches(disk_shape, canonical) -> bool:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
+    """The KV-cache quantization a checkpoint declares. ``scale_names``: where the producer stores a
+    layer's key and value scales, relative to its attention module (ModelOpt ``k_proj.k_scale`` /
+    ``v_proj.v_scale``, compressed-tensors ``k_scale`` / ``v_scale``, Quark ``k_proj.output_scale`` /
+    ``v_proj.output_scale``). A scale *multiplies*: ``K ≈ q_k · k_scale`` (amax / 448 for fp8).
+    ``per_head``: one scale per KV head (compressed-tensors ``attn_head``) instead of one per layer."""
+
     dtype: QDtype
-    scale_names: tuple[str, ...] = ("k_scale", "v_scale")
+    scale_names: tuple[str, str] = ("k_scale", "v_scale")
     source: str = ""
+    per_head: bool = False
 
 
 # -- parsing scheme keys back (custom ops carry the key string) ---------------------------------

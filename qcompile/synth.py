@@ -34,6 +34,7 @@ FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "modelopt-fp8-pbwo", "ct
 QUANTIZED_FORMATS = FORMATS[1:]
 
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+KV_CACHE_OPTIONS = {"modelopt": (None, "fp8"), "ct": (None, "fp8", "fp8-head")}  # by the format's producer
 
 
 def tiny_llama_config(**overrides):
@@ -93,14 +94,20 @@ def _calibrate(model, n_tokens: int = 64, seed: int = 0) -> dict[str, float]:
     return amax
 
 
-def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0, source: str | None = None) -> str:
+def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0, source: str | None = None,
+                     kv_cache: str | None = None) -> str:
     """Write a tiny model in ``fmt`` (one of FORMATS) to ``path``; returns ``path``. ``source``: an
     unquantized checkpoint directory to quantize instead of a random model (``config`` / ``seed`` are
-    then unused), e.g. shared/testdata's base-bf16-dense to compare with the producers' own files."""
+    then unused), e.g. shared/testdata's base-bf16-dense to compare with the producers' own files.
+    ``kv_cache``: also write FP8 KV-cache scales as the producer does (:func:`_add_kv_scales`),
+    ``"fp8"`` one per layer, ``"fp8-head"`` one per KV head (compressed-tensors ``attn_head``)."""
     from transformers import AutoModelForCausalLM
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown synthetic format {fmt!r}; choose from {FORMATS}")
+    if kv_cache not in KV_CACHE_OPTIONS.get(fmt.partition("-")[0], (None,)):
+        raise ValueError(f"{fmt!r} has no KV-cache option {kv_cache!r}; ModelOpt formats take "
+                         f"{KV_CACHE_OPTIONS['modelopt']}, compressed-tensors formats {KV_CACHE_OPTIONS['ct']}")
     os.makedirs(path, exist_ok=True)
     if source is not None:
         _copy_unquantized(source, path)
@@ -116,6 +123,8 @@ def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0, source: st
         qcfg = synth_4bit.quantize_state(fmt, state, amax)
     else:
         qcfg = _quantize_fp8(fmt, state, amax)
+    if kv_cache is not None:
+        _add_kv_scales(fmt, kv_cache == "fp8-head", model, state, qcfg)
     os.remove(os.path.join(path, "model.safetensors"))
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
@@ -127,6 +136,49 @@ def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0, source: st
         with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
             json.dump(qcfg["hf_quant_config"], f, indent=4)
     return path
+
+
+def _add_kv_scales(fmt: str, per_head: bool, model, state: dict, qcfg: dict) -> None:
+    """FP8 KV-cache scales of every attention layer, in place on ``state`` and the configs. Both producers
+    observe the keys after RoPE and the values as the attention reads them, over the calibration tokens:
+
+    * ModelOpt 0.47 (``k_bmm_quantizer`` / ``v_bmm_quantizer``, renamed by ``postprocess_state_dict``):
+      ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale`` = fp32(amax) / 448, fp32 0-d;
+      ``kv_cache_quant_algo: "FP8"`` in hf_quant_config.json, ``kv_cache_scheme: {"dynamic": false,
+      "num_bits": 8, "type": "float"}`` in config.json (``convert_hf_quant_config_format``);
+    * compressed-tensors 0.19 (``initialize_attn_qparams``, ``calculate_qparams``):
+      ``self_attn.k_scale`` / ``v_scale`` = amax / 448 in the model dtype (bf16), [1] for strategy
+      ``tensor``, [num_kv_heads, 1, 1] (amax per head) for ``attn_head``; ``kv_cache_scheme`` holds the
+      serialized QuantizationArgs."""
+    from transformers import DynamicCache
+
+    from .kv_cache import cache_kwargs
+    from .loading import is_attention
+
+    cache = DynamicCache(config=model.config)
+    g = torch.Generator().manual_seed(0)  # the tokens _calibrate draws
+    with torch.no_grad():
+        model(torch.randint(3, model.config.vocab_size, (2, 64), generator=g), use_cache=True,
+              **cache_kwargs(model, cache))
+    dims = (0, 2, 3) if per_head else tuple(range(4))
+    attention = sorted((m.layer_idx, name) for name, m in model.named_modules() if is_attention(m))
+    for idx, name in attention:
+        layer = cache.layers[idx]
+        for amax, k_name, ct_name in ((layer.keys.abs().amax(dims), "k_proj.k_scale", "k_scale"),
+                                      (layer.values.abs().amax(dims), "v_proj.v_scale", "v_scale")):
+            if fmt.startswith("modelopt"):
+                state[f"{name}.{k_name}"] = amax.float() / FP8_MAX
+            else:
+                scale = amax / torch.tensor(FP8_MAX, dtype=amax.dtype)
+                state[f"{name}.{ct_name}"] = scale.reshape(-1, 1, 1) if per_head else scale.reshape(1)
+    if fmt.startswith("modelopt"):
+        qcfg["hf_quant_config"]["quantization"]["kv_cache_quant_algo"] = "FP8"
+        config = qcfg["config"]
+        rest = {k: config.pop(k) for k in list(config)[list(config).index("quant_algo") + 1:]}
+        config.update(kv_cache_scheme={"dynamic": False, "num_bits": 8, "type": "float"}, **rest)
+    else:
+        qcfg["config"]["kv_cache_scheme"] = synth_4bit._ct_args("float", 8, "attn_head" if per_head else "tensor",
+                                                                observer=None)
 
 
 def _copy_unquantized(source: str, path: str) -> None:

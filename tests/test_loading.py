@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -149,22 +148,6 @@ def test_quantized_moe_experts_are_refused(testdata):
     with pytest.raises(qcompile.UnsupportedError) as e:
         qcompile.load(str(testdata / "modelopt-fp8-moe"))
     assert "model.layers.0.mlp.experts" in str(e.value)
-
-
-def test_kv_cache_scales_warn(synth_ckpt, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(synth_ckpt("modelopt-fp8"), tmp_path / "ck")
-    f = tmp_path / "ck" / "model.safetensors"
-    sd = load_file(str(f))
-    sd["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
-    save_file(sd, str(f), metadata={"format": "pt"})
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        qcompile.load(str(tmp_path / "ck"))
-    assert any("KV-cache" in str(x.message) for x in w)
 
 
 def test_inductor_on_cpu_matches_the_dequantized_reference(testdata):

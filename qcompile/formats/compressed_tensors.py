@@ -41,8 +41,9 @@ mxfp8-quantized                    ``weight`` fp8, ``weight_scale`` uint8 e8m0 [
 =================================  ===============================================================
 
 Static per-tensor activations add ``input_scale``. ``kv_cache_scheme`` -> ``self_attn.k_scale`` /
-``v_scale``. Refused as not representable: asymmetric floats, output activations, 2/3/5/6/7-bit ints,
-sparse or transformed checkpoints and ``quantization_status`` other than ``compressed``.
+``v_scale`` in the model dtype, [1] (``tensor``) or [num_kv_heads, 1, 1] (``attn_head``). Refused as
+not representable: asymmetric floats, output activations, 2/3/5/6/7-bit ints, sparse or transformed
+checkpoints and ``quantization_status`` other than ``compressed``.
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ class Args:
     where: str
 
 
-def _args(raw: Any, where: str) -> Args:
+def _args(raw: Any, where: str, kv_cache: bool = False) -> Args:
     require_type(raw, dict, where, "quantization args", '{"num_bits": 8, "type": "float", "strategy": ...}')
     for key in raw:
         need(key in ARG_KEYS, f"{where}.{key}", f"unknown key {key!r:.80}", f"QuantizationArgs has {list(ARG_KEYS)}")
@@ -290,8 +291,8 @@ def _args(raw: Any, where: str) -> Args:
          f"strategy {strategy!r} cannot be dynamic", "use token / tensor / group, or dynamic false")
     need(dynamic != "local" or strategy == "tensor_group", f"{where}.dynamic", '"local" needs strategy tensor_group',
          "set dynamic to true / false")
-    need(strategy != "attn_head", f"{where}.strategy", "per-attention-head quantization is not supported",
-         "use tensor / channel / group strategies", UnsupportedError)
+    need(strategy != "attn_head" or kv_cache, f"{where}.strategy", "per-attention-head quantization is for the "
+         "KV cache only", "use tensor / channel / group strategies", UnsupportedError)
     return Args(DTYPES[kind, bits], symmetric, strategy, group_size, block, dynamic, ACTORDER[actorder], scale_dtype,
                 where)
 
@@ -387,9 +388,11 @@ def _act(a: Args, where: str) -> tuple[ActSpec, tuple[TensorSpec, ...]]:
 
 
 def _kv_cache(raw: Any, where: str) -> KVCacheSpec:
-    a = _args(raw, where)
-    need(a.dtype in (QDtype.FP8_E4M3, QDtype.INT8) and a.strategy == "tensor" and not a.dynamic and a.symmetric,
-         where, f"KV-cache quantization {a.dtype.value} {a.strategy} {'dynamic' if a.dynamic else 'static'}"
-         f"{'' if a.symmetric else ' asymmetric'} is not supported", "use static symmetric per-tensor fp8 (or int8)",
-         UnsupportedError)
-    return KVCacheSpec(a.dtype, ("k_scale", "v_scale"), source=f"compressed-tensors {where}")
+    """Static symmetric fp8 (or int8) per layer (``tensor``) or per KV head (``attn_head``)."""
+    a = _args(raw, where, kv_cache=True)
+    need(a.dtype in (QDtype.FP8_E4M3, QDtype.INT8) and a.strategy in ("tensor", "attn_head") and not a.dynamic
+         and a.symmetric, where, f"KV-cache quantization {a.dtype.value} {a.strategy} "
+         f"{'dynamic' if a.dynamic else 'static'}{'' if a.symmetric else ' asymmetric'} is not supported",
+         "use static symmetric fp8 (or int8), strategy tensor or attn_head", UnsupportedError)
+    return KVCacheSpec(a.dtype, ("k_scale", "v_scale"), source=f"compressed-tensors {where}",
+                       per_head=a.strategy == "attn_head")

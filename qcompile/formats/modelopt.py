@@ -23,6 +23,9 @@ NVFP4                      uint8 weight (2 e2m1 / byte), fp8 ``weight_scale`` [N
                            ``weight_scale_2`` and ``input_scale`` global scales, both *multiplying*
 W4A16_NVFP4                NVFP4 weight tensors, bf16 activations (an ``input_scale`` on disk is unused)
 =========================  ===================================================================
+
+A KV-cache algorithm (``kv_cache_quant_algo`` / ``kv_cache_scheme``: FP8 or NVFP4) stores per layer
+``self_attn.k_proj.k_scale`` and ``self_attn.v_proj.v_scale``: fp32 0-d, the calibrated amax / 448.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ NVFP4_GROUP_SIZE = 16  # every NVFP4 kernel of the reference hard-codes 16 (``in
 MIXED = "MIXED_PRECISION"
 MIXED_LAYER_ALGOS = ("FP8", "NVFP4")  # what ModelOptMixedPrecisionConfig dispatches per layer
 KV_CACHE_ALGOS = {"FP8": QDtype.FP8_E4M3, "NVFP4": QDtype.FP4_E2M1}
+# ModelOpt's HF export renames the attention's k/v_bmm_quantizer amax to these, divided by 448 for
+# every KV-cache algorithm (fp32, 0-d): relative to the attention module, as vLLM remaps them.
+KV_SCALE_NAMES = ("k_proj.k_scale", "v_proj.v_scale")
 VISION_MARKERS = ("vision_tower", "vision_model")  # skipped outright, for pre-0.39 ModelOpt exports
 
 _WEIGHT = TensorSpec("weight", "weight")
@@ -249,18 +255,21 @@ def _kv_cache_algo(value: Any, where: str) -> KVCacheSpec | None:
     algo = require_type(value, str, where, "the KV-cache algorithm", fix).strip().upper()
     if algo not in KV_CACHE_ALGOS:
         raise ConfigError(f"unsupported KV-cache quantization {value!r:.80}", where=where, fix=fix)
-    return KVCacheSpec(KV_CACHE_ALGOS[algo], source=f"modelopt {where}={algo}")
+    return KVCacheSpec(KV_CACHE_ALGOS[algo], KV_SCALE_NAMES, source=f"modelopt {where}={algo}")
 
 
 def _kv_cache_scheme(value: Any, where: str) -> KVCacheSpec:
     """config.json's compressed-tensors style ``{"type": "float", "num_bits": 8}`` (the reference's
-    FP8 case); ``num_bits: 4`` is read as the NVFP4 cache of the legacy key."""
+    FP8 case); ``num_bits: 4`` is read as the NVFP4 cache of the legacy key. ModelOpt writes the
+    algorithm's name instead of a dict for every KV-cache algorithm but FP8 (``"NVFP4"``)."""
+    if isinstance(value, str):
+        return _kv_cache_algo(value, where)
     fix = 'write {"type": "float", "num_bits": 8} (or 4 for NVFP4), or null'
     require_type(value, dict, where, "kv_cache_scheme", fix)
     kind, bits = value.get("type"), value.get("num_bits")
     for dtype in KV_CACHE_ALGOS.values():
         if kind == "float" and type(bits) in (int, float) and bits == dtype.bits:
-            return KVCacheSpec(dtype, source=f"modelopt {where}")
+            return KVCacheSpec(dtype, KV_SCALE_NAMES, source=f"modelopt {where}")
     raise ConfigError(f"unsupported KV-cache scheme type={kind!r:.40} num_bits={bits!r:.40}", where=where, fix=fix)
 
 

@@ -244,6 +244,8 @@ def test_kv_cache_scheme():
     assert cfg.kv_cache == KVCacheSpec(QDtype.FP8_E4M3, ("k_scale", "v_scale"), "compressed-tensors "
                                        "quantization_config.kv_cache_scheme")
     assert "kv cache fp8_e4m3" in cfg.describe()
+    per_head = parse(ct(qargs(), qargs(), kv_cache_scheme=qargs(strategy="attn_head"))).kv_cache
+    assert per_head.per_head and per_head.scale_names == ("k_scale", "v_scale")
 
 
 # -- resolution ----------------------------------------------------------------------------------
@@ -387,7 +389,8 @@ MALFORMED = [
     (edit("transform_config", {"config_groups": {"u": {}}}), UnsupportedError, "transform_config"),
     (edit("quantization_status", "frozen"), UnsupportedError, "quantization_status"),
     (edit(f"{G0}.weights.strategy", "attn_head"), UnsupportedError, f"{G0}.weights.strategy"),
-    (edit("kv_cache_scheme", qargs(strategy="attn_head")), UnsupportedError, "kv_cache_scheme.strategy"),
+    (edit("kv_cache_scheme", qargs(strategy="channel")), UnsupportedError, "kv_cache_scheme"),
+    (edit(f"{G0}.input_activations.strategy", "attn_head"), UnsupportedError, f"{G0}.input_activations.strategy"),
     (edit("kv_cache_scheme", qargs(dynamic=True)), UnsupportedError, "kv_cache_scheme"),
     (edit("config_groups", {"W4A16": ["Linear"]}), UnsupportedError, "config_groups.W4A16"),
     (edit(f"{G0}.weights.symmetric", False, base=ct(qargs(4, strategy="group", group_size=32),

@@ -281,13 +281,14 @@ def test_vision_modules_are_skipped(module):
     (cfgjson(kv_cache_quant_algo="FP8"), QDtype.FP8_E4M3),
     (cfgjson("MIXED_PRECISION", kv_cache_scheme={"type": "float", "num_bits": 8},
              quantized_layers={"a": {"quant_algo": "FP8"}}), QDtype.FP8_E4M3),
+    (cfgjson(kv_cache_scheme="NVFP4"), QDtype.FP4_E2M1),  # ModelOpt names every algorithm but FP8 this way
 ])
 def test_kv_cache(config, dtype):
     cfg = parse(config)
     if dtype is None:
         assert cfg.kv_cache is None
     else:
-        assert cfg.kv_cache.dtype is dtype and cfg.kv_cache.scale_names == ("k_scale", "v_scale")
+        assert cfg.kv_cache.dtype is dtype and cfg.kv_cache.scale_names == ("k_proj.k_scale", "v_proj.v_scale")
         assert cfg.kv_cache.source.startswith("modelopt") and dtype.value in cfg.describe()
 
 
@@ -328,7 +329,8 @@ MALFORMED = [  # (id, config, substrings the message must contain)
     ("kv-int", legacy(kv_cache_quant_algo=8), ["quantization.kv_cache_quant_algo", "int"]),
     ("kv-unknown", legacy(kv_cache_quant_algo="INT8"), ["quantization.kv_cache_quant_algo", "INT8", "FP8"]),
     ("kv-json-unknown", cfgjson(kv_cache_quant_algo="fp16"), ["quantization_config.kv_cache_quant_algo", "fp16"]),
-    ("kv-scheme-str", cfgjson(kv_cache_scheme="fp8"), ["quantization_config.kv_cache_scheme", "dict"]),
+    ("kv-scheme-str", cfgjson(kv_cache_scheme="INT4"), ["quantization_config.kv_cache_scheme", "INT4", "FP8"]),
+    ("kv-scheme-list", cfgjson(kv_cache_scheme=[8]), ["quantization_config.kv_cache_scheme", "dict"]),
     ("kv-scheme-int8", cfgjson(kv_cache_scheme={"type": "int", "num_bits": 8}),
      ["quantization_config.kv_cache_scheme", "int"]),
     ("kv-scheme-bits-str", cfgjson(kv_cache_scheme={"type": "float", "num_bits": "8"}),
