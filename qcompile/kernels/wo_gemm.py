@@ -47,6 +47,7 @@ from ..scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, Weig
 from ..scheme import parse_scheme_key
 from . import quant_math, wo_mma
 from .fp8_quant_triton import HAS_TRITON, use_triton
+from .reference import register_straight_through
 from .registry import HALF, Kernel, KernelQuery, cuda_reason, register
 from .wo_gemm_triton import FMT_E2M1, FMT_FP8, FMT_INT4, FMT_INT8, FMT_INT8_OFFSET, SK_E4M3, SK_E8M0, SK_FP32
 
@@ -363,6 +364,9 @@ def wo_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 @wo_linear.register_fake
 def _(x, weight, weight_scale, weight_global_scale, weight_zero_point, weight_g_idx, bias, scheme, backend):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+register_straight_through(OP)
 
 
 # -- registry --------------------------------------------------------------------------------------
