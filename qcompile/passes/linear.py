@@ -220,9 +220,9 @@ def add_constant(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> fx.Node
     input and looks up the Dynamo source each came from in ``gm._param_name_to_source``, asserting
     that it is there (``_try_get_metadata_from_dynamo``); the sources give the inputs' static indices
     (their addresses are fixed, as CUDA graphs need) and guard duplicated inputs. A buffer Dynamo did
-    not install has none, so it gets the source Dynamo gives the tensors it installs from no user
-    object: a ``ConstantSource``, which is not guarded. ``_param_name_to_source`` is Dynamo's own
-    dict; the graph gets a copy with the name added."""
+    not install has none, so it gets a ``ConstantSource``: what Dynamo gives a graph attribute that no
+    user object holds, and never guards. ``_param_name_to_source`` is Dynamo's own dict; the graph
+    gets a copy with the name added."""
     from torch._dynamo.source import ConstantSource
 
     gm.register_buffer(name, tensor)
