@@ -2,7 +2,8 @@
 
 Public API: :func:`load`, :class:`QCompileConfig`, :func:`backend`, :func:`explain`.
 Importing qcompile registers the ModelOpt format with transformers (plain ``from_pretrained`` then
-loads ModelOpt checkpoints) and the ``qcompile::`` custom ops.
+loads ModelOpt checkpoints), the ``qcompile::`` custom ops and, where the installed entry point does not
+already, the backend name "qcompile" with torch.compile.
 """
 
 from .errors import CheckpointError, ConfigError, QCompileError, UnsupportedError
@@ -21,8 +22,10 @@ def _register_torch_log():
 
 _register_torch_log()
 
-from .backend import backend, explain  # noqa: E402
+from .backend import backend, explain, register_dynamo_backend  # noqa: E402
 from . import kv_cache  # noqa: E402  (qcompile.kv_cache.FP8Cache)
+
+register_dynamo_backend()
 
 __all__ = ["load", "QCompileConfig", "backend", "explain", "QCompileError", "ConfigError", "CheckpointError",
            "UnsupportedError", "LayerQuant", "QuantScheme"]

@@ -1,7 +1,8 @@
 """The ``qcompile`` torch.compile backend.
 
 ``torch.compile(model, backend="qcompile")`` works right after ``pip install`` (the package registers
-the ``torch_dynamo_backends`` entry point). Options, either way::
+the ``torch_dynamo_backends`` entry point) and, from a source checkout too, once qcompile is imported
+(:func:`register_dynamo_backend`). Options, either way::
 
     torch.compile(model, backend="qcompile", options={"inner": "aot_eager"})
     torch.compile(model, backend=qcompile.backend(inner="inductor", kernels={"*.down_proj": "reference"},
@@ -23,6 +24,7 @@ from .errors import ConfigError
 log = logging.getLogger("qcompile")
 
 INNER = ("inductor", "aot_eager", "eager")
+NAME = "qcompile"  # torch.compile(model, backend=NAME)
 
 
 @dataclass
@@ -115,6 +117,20 @@ def qcompile_backend(gm, example_inputs, options: dict | None = None, **kwargs):
         import qcompile  # noqa: F401  (registers the ops and the transformers integration)
         _DEFAULT = QCompileBackend()
     return _DEFAULT(gm, example_inputs, options=options, **kwargs)
+
+
+def register_dynamo_backend() -> None:
+    """Register ``qcompile_backend`` under the name "qcompile" with Dynamo (at ``import qcompile``), for
+    when the entry point is not installed. Not when torch already has the name, or knows the entry
+    point: then torch loads it (which imports qcompile, so comes here) and registers it itself, and a
+    second registration would be refused as a duplicate."""
+    from importlib.metadata import EntryPoint
+
+    from torch._dynamo.backends import registry
+
+    if NAME in registry._COMPILER_FNS or isinstance(registry._BACKENDS.get(NAME), EntryPoint):
+        return
+    registry.register_backend(qcompile_backend, name=NAME)
 
 
 def backend(**options) -> QCompileBackend:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +14,15 @@ import qcompile
 from qcompile.errors import ConfigError, UnsupportedError
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter with ``env`` added; it must exit 0."""
+    """Run ``code`` in a fresh interpreter with ``env`` added, importing this checkout's qcompile (whichever
+    copy is installed: the entry point names a module, found on the path); it must exit 0."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, **env}, cwd="/")
+                       env={**os.environ, "PYTHONPATH": path, **env}, cwd="/")
     assert r.returncode == 0, r.stderr[-2000:]
     return r
 
@@ -32,6 +38,45 @@ def test_compile_by_name_without_importing_qcompile():
             "out = torch.compile(m, backend='qcompile', options={'inner': 'eager'})(torch.randn(2, 32))\n"
             "assert out.shape == (2, 16); print('ok')")
     assert "ok" in run_python(code).stdout
+
+
+# The interpreter as from a source checkout: importlib.metadata finds no qcompile torch_dynamo_backends entry
+WITHOUT_ENTRY_POINT = """\
+import importlib.metadata as md
+_entry_points = md.entry_points
+def entry_points(**selection):
+    found = _entry_points(**selection)
+    if selection.get("group") != "torch_dynamo_backends":
+        return found
+    return md.EntryPoints(e for e in found if e.name != "qcompile")
+md.entry_points = entry_points
+import torch
+from torch._dynamo.backends.registry import lookup_backend
+from torch._dynamo.exc import InvalidBackend
+"""
+COMPILE_BY_NAME = ("m = torch.nn.Linear(32, 16)\n"
+                   "out = torch.compile(m, backend='qcompile', options={'inner': 'eager'})(torch.randn(2, 32))\n"
+                   "assert out.shape == (2, 16)\n")
+
+
+def test_import_registers_the_backend_without_the_entry_point():
+    code = (WITHOUT_ENTRY_POINT +
+            "try:\n    lookup_backend('qcompile')\nexcept InvalidBackend:\n    pass\n"
+            "else:\n    raise SystemExit('qcompile was a backend before the import')\n"
+            "import qcompile\n" + COMPILE_BY_NAME +
+            "assert 'qcompile' in torch._dynamo.list_backends(); print('ok')")
+    assert "ok" in run_python(code).stdout
+
+
+def test_import_and_entry_point_register_once():
+    """Imported first, then the entry point discovered (list_backends) and used; or the entry point
+    loaded first (it imports qcompile), then imported: one registration either way."""
+    first_import = ("import torch, qcompile\n"
+                    "assert 'qcompile' in torch._dynamo.list_backends()\n" + COMPILE_BY_NAME + "print('ok')")
+    first_entry_point = ("import sys, torch\n" + COMPILE_BY_NAME +
+                         "assert 'qcompile' in sys.modules\nimport qcompile\n" + COMPILE_BY_NAME + "print('ok')")
+    for code in (first_import, first_entry_point):
+        assert "ok" in run_python(code).stdout
 
 
 def test_torch_logs_shows_rewrites():

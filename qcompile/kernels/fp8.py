@@ -34,6 +34,7 @@ from ..errors import UnsupportedError
 from ..scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, canonical_shape, parse_scheme_key
 from . import fp8_quant_triton as fq
 from . import quant_math
+from .reference import register_straight_through
 from .registry import Kernel, KernelQuery, cuda_reason, register
 
 OP = "qcompile::fp8_linear"
@@ -223,6 +224,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 @fp8_linear.register_fake
 def _(x, weight, weight_scale, input_scale, bias, scheme, backend):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+register_straight_through(OP)
 
 
 # -- registry ------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import torch
 from ..errors import UnsupportedError
 from ..scheme import NVFP4_ACT, NVFP4_WEIGHT, parse_scheme_key
 from . import quant_math
+from .reference import register_straight_through
 from .registry import Kernel, KernelQuery, cuda_reason, register
 
 OP = "qcompile::nvfp4_linear"
@@ -83,6 +84,9 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 @nvfp4_linear.register_fake
 def _(x, weight, weight_scale, weight_global_scale, input_global_scale, bias, scheme, backend):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+register_straight_through(OP)
 
 
 def check_flashinfer(q: KernelQuery) -> str | None:

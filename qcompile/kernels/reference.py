@@ -7,6 +7,10 @@ lowers to a kernel op, and the oracle kernels are tested against. Its math, in f
     out = qdq(x) @ dequantize(weight).T + bias        (qdq only when the scheme quantizes activations)
 
 Arguments follow the canonical roles of :mod:`qcompile.scheme` (kernel ops reuse these names).
+
+Autograd, for every qcompile quantized-linear op (:func:`register_straight_through`): the gradient
+reaches x through the dequantized weight (``qcompile::dequantize_weight``), straight through any
+activation quantization; the quantized weight and its scales are frozen.
 """
 
 from __future__ import annotations
@@ -81,3 +85,60 @@ REFERENCE = register(Kernel(
     name="reference", op=OP, backend="", priority=0, check=_check,
     description="dequantize + fp32 matmul (any device); the oracle",
 ))
+
+
+# -- autograd: straight through the quantization -------------------------------------------------
+
+WEIGHT_ROLES = ("weight", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_g_idx")
+
+
+@torch.library.custom_op("qcompile::dequantize_weight", mutates_args=())
+def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor | None,
+                      weight_zero_point: torch.Tensor | None, weight_g_idx: torch.Tensor | None, k: int,
+                      scheme: str) -> torch.Tensor:
+    """The weight of a quantized linear as fp32 [N, K] (:func:`quant_math.dequantize_weight`, in the
+    original column order of an act-order weight sorted at load). An op, so that a compiled backward
+    calls it as it is instead of tracing the unpacking."""
+    spec = parse_scheme_key(scheme).weight
+    return quant_math.dequantize_weight(weight, weight_scale, spec, weight_global_scale, weight_zero_point,
+                                        weight_g_idx, k=k)
+
+
+@dequantize_weight.register_fake
+def _(weight, weight_scale, weight_global_scale, weight_zero_point, weight_g_idx, k, scheme):
+    return weight.new_empty((weight.shape[0], k), dtype=torch.float32)
+
+
+def register_straight_through(op: str) -> None:
+    """Register the autograd formula of the quantized-linear op ``op`` ("qcompile::fp8_linear"; its
+    arguments named by the canonical roles: ``x``, the ``WEIGHT_ROLES`` it has, ``bias``, ``scheme``).
+
+    ``grad_x = grad_out @ dequantize(weight)`` in fp32, cast to x.dtype: the activation quantization is
+    passed straight through, as quantization-aware training does. A bias that requires grad gets
+    ``grad_out`` summed over the rows. The quantized weight and its scales are frozen: no gradient.
+    Autograd calls ``setup_context`` only when grad mode is on and an input requires grad; under
+    ``no_grad`` or with frozen inputs the op runs exactly as without a formula."""
+    ns, name = op.split("::")
+    names = [a.name for a in getattr(getattr(torch.ops, ns), name).default._schema.arguments]
+    at = {arg: i for i, arg in enumerate(names)}
+    x_at, bias_at = at["x"], at["bias"]
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*(inputs[at[role]] if role in at else None for role in WEIGHT_ROLES))
+        x, bias = inputs[x_at], inputs[bias_at]
+        ctx.k, ctx.x_dtype, ctx.scheme = x.shape[-1], x.dtype, inputs[at["scheme"]]
+        ctx.bias_dtype = None if bias is None else bias.dtype
+
+    def backward(ctx, grad):
+        grads = [None] * len(names)
+        if ctx.needs_input_grad[x_at]:
+            w = torch.ops.qcompile.dequantize_weight(*ctx.saved_tensors, ctx.k, ctx.scheme)
+            grads[x_at] = (grad.float() @ w).to(ctx.x_dtype)
+        if ctx.needs_input_grad[bias_at]:
+            grads[bias_at] = grad.float().reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return tuple(grads)
+
+    torch.library.register_autograd(op, backward, setup_context=setup_context)
+
+
+register_straight_through(OP)

@@ -44,12 +44,13 @@ class Kernel:
     check: Callable[[KernelQuery], str | None]
     description: str = ""
     requires: tuple[str, ...] = field(default=())  # python modules that must import (e.g. "flashinfer")
+    act_dtypes: tuple[torch.dtype, ...] | None = None  # activation dtypes the op takes; None: any
 
     def reason_not(self, q: KernelQuery) -> str | None:
         for mod in self.requires:
             if not module_available(mod):
                 return f"{mod} is not installed"
-        return self.check(q)
+        return act_dtype_reason(q, self.act_dtypes) or self.check(q)
 
 
 _KERNELS: dict[str, Kernel] = {}
@@ -134,9 +135,18 @@ def cuda_reason(q: KernelQuery, min_capability: tuple[int, int]) -> str | None:
     if q.capability is None or tuple(q.capability) < min_capability:
         have = "none" if q.capability is None else f"{q.capability[0]}.{q.capability[1]}"
         return f"needs compute capability >= {min_capability[0]}.{min_capability[1]}, have {have}"
-    if q.act_dtype not in (torch.bfloat16, torch.float16):
-        return f"needs bf16/fp16 activations, have {q.act_dtype}"
-    return None
+    return act_dtype_reason(q, HALF)
+
+
+HALF = (torch.bfloat16, torch.float16)
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def act_dtype_reason(q: KernelQuery, dtypes: tuple[torch.dtype, ...] | None) -> str | None:
+    """None when ``dtypes`` (None: any) has the query's activation dtype, else the reason."""
+    if dtypes is None or q.act_dtype in dtypes:
+        return None
+    return f"needs {'/'.join(_SHORT.get(d, str(d)) for d in dtypes)} activations, have {q.act_dtype}"
 
 
 def cuda_capability(device: torch.device | str) -> tuple[int, int] | None:

@@ -47,7 +47,8 @@ from ..scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, Weig
 from ..scheme import parse_scheme_key
 from . import quant_math, wo_mma
 from .fp8_quant_triton import HAS_TRITON, use_triton
-from .registry import Kernel, KernelQuery, cuda_reason, register
+from .reference import register_straight_through
+from .registry import HALF, Kernel, KernelQuery, cuda_reason, register
 from .wo_gemm_triton import FMT_E2M1, FMT_FP8, FMT_INT4, FMT_INT8, FMT_INT8_OFFSET, SK_E4M3, SK_E8M0, SK_FP32
 
 if HAS_TRITON:
@@ -346,8 +347,9 @@ def wo_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     impl = _IMPLS.get(backend)
     if impl is None:
         raise UnsupportedError(f"unknown wo_linear backend {backend!r}", where=OP, fix=f"use one of {BACKENDS}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise UnsupportedError(f"x must be bf16 or fp16, got {x.dtype}", where=OP)
+    if x.dtype not in HALF:
+        raise UnsupportedError(f"x must be bf16 or fp16, got {x.dtype}", where=OP,
+                               fix="the kernel registry runs other activation dtypes on the reference op")
     lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k).contiguous()
     if x2.shape[0] == 0:
@@ -362,6 +364,9 @@ def wo_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 @wo_linear.register_fake
 def _(x, weight, weight_scale, weight_global_scale, weight_zero_point, weight_g_idx, bias, scheme, backend):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+register_straight_through(OP)
 
 
 # -- registry --------------------------------------------------------------------------------------
@@ -386,15 +391,16 @@ def check_dequant(q: KernelQuery) -> str | None:
 
 
 WO_MMA = register(Kernel(
-    name="wo_mma", op=OP, backend="mma", priority=30, check=check_mma,
+    name="wo_mma", op=OP, backend="mma", priority=30, check=check_mma, act_dtypes=HALF,
     description="CUDA C++ (NVRTC) tensor-core weight-only GEMM for M <= 32 (sm_90: 128, int4 96; up to 512 "
                 "int4 / 384 as launches of 128 rows), else as wo_triton",
 ))
 WO_TRITON = register(Kernel(
     name="wo_triton", op=OP, backend="triton", priority=28, check=check_triton, requires=("triton",),
+    act_dtypes=HALF,
     description="Triton split-K weight-only GEMM (M <= WO_MAX_M of the format), else Triton dequant + F.linear",
 ))
 WO_DEQUANT = register(Kernel(
-    name="wo_dequant", op=OP, backend="dequant", priority=12, check=check_dequant,
+    name="wo_dequant", op=OP, backend="dequant", priority=12, check=check_dequant, act_dtypes=HALF,
     description="dequantize to x.dtype + F.linear (any device)",
 ))

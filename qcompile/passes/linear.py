@@ -189,7 +189,8 @@ def _online_args(gm, node: fx.Node, online: QuantConfig, real: dict, rows: list,
     shared = [u for u in w_node.users if u.target not in LINEAR_TARGETS]
     if shared:  # e.g. lm_head tied to the embedding: the same tensor also feeds an embedding lookup
         rows.append(ExplainRow(module, "bf16", "aten::linear", "bf16",
-                               f"weight shared with {shared[0].target} (tied); kept in high precision"))
+                               f"weight shared with {getattr(shared[0].target, '__name__', shared[0].target)} (tied); "
+                               "kept in high precision"))
         return None
     lq = online.resolve(module, "linear")
     if lq is None:
@@ -204,13 +205,30 @@ def _online_args(gm, node: fx.Node, online: QuantConfig, real: dict, rows: list,
         return None
     with torch.no_grad():
         q, s = quant_math.quantize_weight_fp8(weight.detach(), spec.granularity, block or 128)
-    names = (f"_qcompile_online_w{index}", f"_qcompile_online_s{index}")
-    gm.register_buffer(names[0], q)
-    gm.register_buffer(names[1], s.float())
     with gm.graph.inserting_before(node):
-        wq, ws = gm.graph.get_attr(names[0]), gm.graph.get_attr(names[1])
-    for n_, t in ((wq, q), (ws, s)):
-        n_.meta["example_value"] = t
-        n_.meta["val"] = t
+        wq = add_constant(gm, f"_qcompile_online_w{index}", q)
+        ws = add_constant(gm, f"_qcompile_online_s{index}", s.float())
     return {"x": x_node, "weight": wq, "weight_scale": ws, "bias": bias, "scheme": lq.scheme.key,
             "_weight_shape": tuple(weight.shape), "_module": module}
+
+
+def add_constant(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> fx.Node:
+    """A tensor the pass made (a quantized weight, its scale) as a buffer of ``gm`` and a ``get_attr``
+    node at the graph's insertion point.
+
+    AOTAutograd (inductor, aot_eager) lifts every parameter and buffer of a Dynamo graph into a graph
+    input and looks up the Dynamo source each came from in ``gm._param_name_to_source``, asserting
+    that it is there (``_try_get_metadata_from_dynamo``); the sources give the inputs' static indices
+    (their addresses are fixed, as CUDA graphs need) and guard duplicated inputs. A buffer Dynamo did
+    not install has none, so it gets a ``ConstantSource``: what Dynamo gives a graph attribute that no
+    user object holds, and never guards. ``_param_name_to_source`` is Dynamo's own dict; the graph
+    gets a copy with the name added."""
+    from torch._dynamo.source import ConstantSource
+
+    gm.register_buffer(name, tensor)
+    sources = getattr(gm, "_param_name_to_source", None)
+    if sources is not None:
+        gm._param_name_to_source = {**sources, name: ConstantSource(source_name=name)}
+    node = gm.graph.get_attr(name)
+    node.meta["example_value"] = node.meta["val"] = tensor
+    return node

@@ -34,6 +34,7 @@ def make_args(scheme, m=5, n=256, k=384, dtype=torch.bfloat16, bias=True, seed=0
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_opcheck(name, dtype):
     x, q, s, xs, b, _ = make_args(SCHEMES[name], dtype=dtype)
+    x, b = x.requires_grad_(), b.requires_grad_()  # the autograd checks of opcheck need inputs requiring grad
     args = (x, q, s, None, None, None, xs, None, b, SCHEMES[name].key)
     opcheck(torch.ops.qcompile.linear_ref.default, args)
     x3 = x.reshape(1, *x.shape)

@@ -1,0 +1,76 @@
+"""Every checkpoint format compiles and runs in fp32, fp16 and bf16 on the CPU.
+
+Each cell loads the 1-layer synthetic checkpoint with ``qcompile.load(path, dtype=...)``, runs one forward
+of 8 tokens eagerly and one compiled, and compares the logits. The full matrix compiles with
+``inner="aot_eager"``: it runs the backend's pass, the kernel ops' fake implementations and AOTAutograd,
+the parts a dtype can break, in ~10 s a cell on 2 cores (Dynamo's trace of the model is most of it).
+Inductor's C++ compile takes a minute or more a cell there, so three cells run with the default inner
+compiler: one per activation dtype, each a different kernel family.
+
+A kernel op that cannot take the activation dtype (``qcompile::wo_linear`` takes bf16 / fp16) is never
+selected: the layer falls back to the reference op and the explain table says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qcompile
+from qcompile import synth
+from qcompile.scheme import parse_scheme_key
+
+IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64]])
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+FORMATS = [f for f in synth.FORMATS if f != "bf16"]
+# Relative logits error vs the eager model. aot_eager: the weight-only kernel dequantizes to the
+# activation dtype and multiplies there, where the reference multiplies in fp32 (bf16: ~1 %). inductor:
+# also the norms / RoPE / softmax keep fp32 intermediates, which FP8 activation rounding amplifies
+# (a few %, docs/design.md "Numerics").
+TOLERANCE = {"aot_eager": 0.02, "inductor": 0.1}
+INDUCTOR_CELLS = [("ct-w4a16", "fp32"), ("modelopt-fp8-pbwo", "fp16"), ("ct-nvfp4", "bf16")]
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory):
+    cache = {}
+
+    def make(fmt):
+        if fmt not in cache:
+            path = tmp_path_factory.mktemp(fmt)
+            synth.write_checkpoint(str(path), fmt, config=synth.tiny_llama_config(num_hidden_layers=1))
+            cache[fmt] = str(path)
+        return cache[fmt]
+    return make
+
+
+def compile_and_compare(path: str, dtype: torch.dtype, inner: str):
+    model = qcompile.load(path, dtype=dtype)
+    torch._dynamo.reset()  # a model of the same structure compiled earlier would be reused silently
+    be = qcompile.backend(inner=inner)
+    with torch.no_grad():
+        want = model(IDS).logits
+        out = torch.compile(model, backend=be)(IDS).logits
+    assert out.dtype == want.dtype == dtype and torch.isfinite(out).all()
+    out, want = out.float(), want.float()
+    rel = ((out - want).norm() / want.norm()).item()
+    assert rel < TOLERANCE[inner], rel
+    assert len(be.rows) == 7
+    if dtype == torch.float32:  # no kernel that takes bf16 / fp16 only, and the table says why
+        for row in be.rows:
+            assert not row.kernel.startswith("wo_"), row
+            if parse_scheme_key(row.scheme).act is None:
+                assert row.kernel == "reference", row
+                assert "wo_dequant: needs bf16/fp16 activations, have torch.float32" in row.reason, row
+    return be
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_compiles_in_every_dtype(one_layer, fmt, dtype):
+    compile_and_compare(one_layer(fmt), DTYPES[dtype], "aot_eager")
+
+
+@pytest.mark.parametrize("fmt,dtype", INDUCTOR_CELLS)
+def test_default_inner_compiler(one_layer, fmt, dtype):
+    compile_and_compare(one_layer(fmt), DTYPES[dtype], "inductor")
