@@ -42,8 +42,6 @@ def test_load_and_compile(tmp_path):
     assert "model.layers.0.self_attn.q_proj | w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor | qcompile::fp8_linear" in out
 
 
-@pytest.mark.xfail(reason="compile-time online quantization under inductor fails (_qcompile_online_w0 not "
-                          "found in param_name_to_source)", raises=AssertionError, strict=False)
 def test_online_fp8(tmp_path):
     out = run_example("online_fp8.py", tmp_path)
     assert "at load: (1, 12, 384) logits; 14 FP8 layers" in out
