@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import struct
+import types
 import warnings
 from typing import Any
 
@@ -34,6 +35,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from .errors import CheckpointError, ConfigError, UnsupportedError
 from .formats import QuantConfig, parse_quant_config
 from .linear import QuantLinear
+from .scheme import Granularity, QuantScheme
 
 log = logging.getLogger("qcompile")
 
@@ -64,6 +66,7 @@ class QCompileConfig(QuantizationConfigMixin):
         self.online = online
         self.ignore = list(ignore or [])
         self.source = source
+        self.saved_as: dict | None = None  # an online config's compressed-tensors form, set when saving
         if online is not None:
             from .formats.online import online_config
             self.source = online_config(online, ignore=self.ignore)
@@ -75,7 +78,10 @@ class QCompileConfig(QuantizationConfigMixin):
         return parse_quant_config(self.source)
 
     def to_dict(self) -> dict[str, Any]:
-        # Saving the model writes the producer's config back, unchanged.
+        # Saving the model writes the producer's config back, unchanged; an online one as the
+        # compressed-tensors config of the FP8 layers it made (QCompileHfQuantizer.get_state_dict_and_metadata).
+        if self.saved_as is not None:
+            return dict(self.saved_as)
         return dict(self.source) if self.source else {"quant_method": "qcompile", "online": self.online}
 
 
@@ -93,6 +99,8 @@ class QCompileHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: QCompileConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.plan: dict[str, QuantLinear] = {}
+        self.side_files: dict[str, bytes] = {}  # files the checkpoint keeps beside config.json, saved back
+        self.save_directory: str | None = None  # while save_pretrained runs (_save_pretrained)
 
     def validate_environment(self, *args, **kwargs):
         self.qconfig = self.quantization_config.parsed()
@@ -109,16 +117,48 @@ class QCompileHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         header = read_headers(checkpoint_files)
         self.plan = plan_model(model, self.qconfig, header)
+        self.side_files = _side_files(checkpoint_files, self.qconfig)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         for module in self.plan.values():
             module.finalize()
         model.qcompile_plan = {name: m.lq for name, m in self.plan.items()}
         model.qcompile_config = self.qconfig
+        if self.side_files:
+            model.save_pretrained = types.MethodType(_save_pretrained, model)
         return model
 
-    def is_serializable(self):
-        return False
+    def is_serializable(self, *args, **kwargs):
+        return True
+
+    def get_state_dict_and_metadata(self, model):
+        """What ``save_pretrained`` writes: the model's state dict with every QuantLinear's tensors as its
+        checkpoint stored them (:meth:`QuantLinear.disk_tensors`); the config is the producer's (to_dict).
+        An online model is saved as the compressed-tensors float-quantized checkpoint it now is."""
+        modules = dict(model.named_modules())
+        for name in self.plan:
+            module = modules.get(name)
+            if not isinstance(module, QuantLinear):
+                raise UnsupportedError(
+                    f"the quantized layer was replaced after loading (now {type(module).__name__}); the checkpoint's "
+                    "config would no longer describe it", where=name,
+                    fix="save the model as loaded; to save a dequantized model in bf16, delete model.hf_quantizer and "
+                        "model.config.quantization_config first")
+        state = model.state_dict()
+        for name, module in modules.items():
+            if isinstance(module, QuantLinear):
+                for key in module.state_dict():
+                    if key != "bias":
+                        del state[f"{name}.{key}"]
+                state.update({f"{name}.{key}": t for key, t in module.disk_tensors().items()})
+        if self.qconfig.format == "online":
+            unquantized = sorted(name for name, m in modules.items() if isinstance(m, nn.Linear))
+            self.quantization_config.saved_as = compressed_tensors_fp8(self.qconfig.layer.scheme, unquantized)
+        if self.save_directory is not None:  # after the hub's timestamps, before its upload
+            for file, content in self.side_files.items():
+                with open(os.path.join(self.save_directory, file), "wb") as f:
+                    f.write(content)
+        return state, {}
 
     @property
     def is_trainable(self) -> bool:
@@ -127,6 +167,46 @@ class QCompileHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _side_files(checkpoint_files, qconfig: QuantConfig) -> dict[str, bytes]:
+    """ModelOpt's hf_quant_config.json beside the checkpoint, as bytes (saving writes it back)."""
+    if qconfig.format != "modelopt" or not checkpoint_files:
+        return {}
+    path = os.path.join(os.path.dirname(checkpoint_files[0]), "hf_quant_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, "rb") as f:
+        return {"hf_quant_config.json": f.read()}
+
+
+def _save_pretrained(model, save_directory, *args, **kwargs):
+    """``model.save_pretrained`` of a checkpoint with files beside config.json: the quantizer writes them
+    into ``save_directory`` during the save (so that ``push_to_hub`` uploads them too)."""
+    quantizer = model.hf_quantizer
+    quantizer.save_directory = os.fspath(save_directory)
+    try:
+        return type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    finally:
+        quantizer.save_directory = None
+
+
+def compressed_tensors_fp8(scheme: QuantScheme, ignore: list[str]) -> dict[str, Any]:
+    """The compressed-tensors float-quantized config of FP8 layers of ``scheme`` (online FP8: per-tensor
+    weights with dynamic per-tensor activations, or b x b blocks with dynamic 1 x b groups); ``ignore``:
+    the Linear modules left unquantized."""
+    w, act = scheme.weight, scheme.act
+    block = w.scale.granularity is Granularity.BLOCK
+
+    def args(strategy: str, dynamic: bool, **kw) -> dict[str, Any]:
+        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": dynamic,
+                "group_size": kw.get("group"), "block_structure": kw.get("block"), "actorder": None}
+    weights = args("block", False, block=list(w.scale.block)) if block else args("tensor", False)
+    acts = args("group", True, group=act.scale.group_size) if block else args("tensor", True)
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": acts, "output_activations": None,
+             "format": "float-quantized"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": ignore, "kv_cache_scheme": None}
 
 
 def read_headers(checkpoint_files) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

@@ -214,15 +214,31 @@ def sort_act_order(weight: torch.Tensor, g_idx: torch.Tensor, spec: WeightSpec, 
     perm = torch.sort(g_idx.long(), stable=True).indices
     if not torch.equal(g_idx.long()[perm], torch.arange(k, device=g_idx.device) // g):
         return None
+    return _take_columns(weight, perm, spec, k, rows_per_step), perm.to(torch.int32)
+
+
+def unsort_act_order(weight: torch.Tensor, perm: torch.Tensor, spec: WeightSpec, k: int,
+                     rows_per_step: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`sort_act_order`: (the weight in its original column order, the original
+    g_idx, int32) from the sorted weight and its perm."""
+    perm = perm.long()
+    ks = torch.arange(k, device=perm.device)
+    inverse, g_idx = torch.empty_like(perm), torch.empty_like(perm)
+    inverse[perm] = ks
+    g_idx[perm] = ks // spec.scale.group_size
+    return _take_columns(weight, inverse, spec, k, rows_per_step), g_idx.to(torch.int32)
+
+
+def _take_columns(weight: torch.Tensor, cols: torch.Tensor, spec: WeightSpec, k: int, rows_per_step: int):
+    """A stored weight whose element column j is ``weight``'s column ``cols[j]`` (codes moved exactly)."""
     out = torch.empty_like(weight)
     for r in range(0, weight.shape[0], rows_per_step):
         part = weight[r:r + rows_per_step]
         if spec.packing is Packing.INT32:
-            codes = unpack_int32(part, spec.dtype.bits, k)[:, perm]
-            out[r:r + rows_per_step] = pack_int32(codes, spec.dtype.bits)
+            out[r:r + rows_per_step] = pack_int32(unpack_int32(part, spec.dtype.bits, k)[:, cols], spec.dtype.bits)
         else:
-            out[r:r + rows_per_step] = part[:, perm]
-    return out, perm.to(torch.int32)
+            out[r:r + rows_per_step] = part[:, cols]
+    return out
 
 
 def decode_weight_codes(weight: torch.Tensor, spec: WeightSpec, k: int) -> torch.Tensor:
