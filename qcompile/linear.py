@@ -19,6 +19,9 @@ device; the backend's Linear pass lowers that op to a kernel.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -137,13 +140,14 @@ class QuantLinear(nn.Module):
     # -- 2. loading ------------------------------------------------------------------------------
     def __setattr__(self, name, value):
         # Online layers quantize the moment transformers hands over their bf16 weight, so loading
-        # never holds more than one layer's bf16 copy.
+        # never holds more than one layer's bf16 copy (release_memory: nor its pages).
         lq = self.__dict__.get("lq")
         if (lq is not None and lq.online and name == "weight" and isinstance(value, torch.Tensor)
                 and value.device.type != "meta" and value.dtype in FLOATS):
             with torch.no_grad():
                 for role, t in self._quantize_online(value.data).items():
                     super().__setattr__(role, _param(t))
+            release_memory(value.data)
             return
         super().__setattr__(name, value)
 
@@ -282,9 +286,9 @@ class QuantLinear(nn.Module):
 
     def _quantize_online(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         w = self.lq.scheme.weight
-        _check_finite(weight, self.name, "weight")
         q, s = quant_math.quantize_weight_fp8(weight, w.scale.granularity,
                                               w.scale.block[0] if w.scale.granularity is Granularity.BLOCK else 128)
+        _check_finite(s, self.name, "weight")  # a NaN / inf weight makes its scale NaN / inf
         return {"weight": q, "weight_scale": s}
 
     # -- forward ---------------------------------------------------------------------------------
@@ -294,6 +298,40 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme_key}"
+
+
+MADV_DONTNEED = 4  # Linux
+
+
+def release_memory(source: torch.Tensor) -> None:
+    """After an online layer is quantized, give its memory back to the OS, so that loading a bf16
+    checkpoint peaks near the quantized size (tests/test_online_memory.py): drop the resident pages of
+    ``source`` (the bf16 weight) where it is a view of a mapped ``.safetensors`` file — transformers
+    loads through mmap, and every page read stays resident, and counted in the RSS, as long as anything
+    views the file — and return glibc's free heap (``malloc_trim``; the quantization's buffer and the
+    loader's temporaries otherwise leave free holes between the results that are never returned). Only
+    pages wholly inside ``source`` are dropped; a later read faults the file's bytes in again, so
+    nothing changes but the RSS. Linux / glibc only; elsewhere a no-op."""
+    if source.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None)
+    page = mmap.PAGESIZE
+    start, end = source.data_ptr(), source.data_ptr() + source.numel() * source.element_size()
+    first, last = -(-start // page) * page, end // page * page
+    if first < last and _in_safetensors_mapping(start, end):
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+    if hasattr(libc, "malloc_trim"):  # glibc
+        libc.malloc_trim(0)
+
+
+def _in_safetensors_mapping(start: int, end: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= start and end <= hi:
+                return len(fields) == 6 and fields[5].rstrip("\n").endswith(".safetensors")
+    return False
 
 
 def _check_divisible(lq: LayerQuant, name: str, n: int, k: int) -> None:

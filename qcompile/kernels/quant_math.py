@@ -374,23 +374,41 @@ def requantize_to_max_scale(weights: list[torch.Tensor], scales: list[torch.Tens
     return torch.cat(parts, dim=0), max_scale
 
 
-def quantize_weight_fp8(weight: torch.Tensor, granularity: Granularity, block: int = 128):
+def quantize_weight_fp8(weight: torch.Tensor, granularity: Granularity, block: int = 128,
+                        step_elems: int = 1 << 20):
     """Online FP8 weight quantization of a bf16/fp16 [N, K] weight. TENSOR -> scale []; CHANNEL ->
-    [N]; BLOCK -> [N/block, K/block] (N and K must divide; the caller checks and names the layer)."""
-    w = weight.float()
-    n, k = w.shape
+    [N]; BLOCK -> [N/block, K/block] (N and K must divide; the caller checks and names the layer).
+    The amax is taken in the weight's own dtype (exact) and the codes are made a few rows (a row of
+    blocks) at a time in one fp32 buffer of about ``step_elems`` elements (4 MiB), not in whole-layer
+    fp32 copies; bit-identical to quantizing the whole weight at once."""
+    n, k = weight.shape
     if granularity is Granularity.TENSOR:
-        scale = fp8_scale_from_amax(w.abs().amax())
-        return quantize_fp8(w, scale), scale
-    if granularity is Granularity.CHANNEL:
-        scale = fp8_scale_from_amax(w.abs().amax(dim=1))
-        return quantize_fp8(w, scale[:, None]), scale
-    if granularity is Granularity.BLOCK:
-        tiles = w.view(n // block, block, k // block, block)
-        scale = fp8_scale_from_amax(tiles.abs().amax(dim=(1, 3)))
-        q = quantize_fp8(tiles, scale[:, None, :, None]).view(n, k)
-        return q, scale
-    raise AssertionError(f"online weight granularity {granularity}")
+        lo, hi = torch.aminmax(weight)
+        scale = fp8_scale_from_amax(torch.maximum(hi, -lo).float())
+    elif granularity is Granularity.CHANNEL:
+        scale = fp8_scale_from_amax(torch.maximum(weight.amax(dim=1), -weight.amin(dim=1)).float())
+    elif granularity is Granularity.BLOCK:
+        tiles = weight.view(n // block, block, k // block, block)
+        scale = fp8_scale_from_amax(torch.maximum(tiles.amax(dim=(1, 3)), -tiles.amin(dim=(1, 3))).float())
+    else:
+        raise AssertionError(f"online weight granularity {granularity}")
+    if granularity is Granularity.BLOCK:  # one row of blocks, as many blocks across as fit
+        rows, cols = block, block * max(1, min(k // block, step_elems // block**2))
+    else:
+        rows, cols = max(1, step_elems // k), k
+    q = torch.empty((n, k), dtype=FP8, device=weight.device)
+    buf = torch.empty(min(rows, n) * min(cols, k), dtype=torch.float32, device=weight.device)
+    for r in range(0, n, rows):
+        for c in range(0, k, cols):
+            src = weight[r:r + rows, c:c + cols]
+            part = buf[:src.numel()].view(src.shape).copy_(src)
+            if granularity is Granularity.BLOCK:
+                row_scale = scale[r // block, c // block:(c + cols) // block]
+                part.view(block, -1, block).div_(row_scale[None, :, None])
+            else:
+                part.div_(scale[r:r + rows, None] if granularity is Granularity.CHANNEL else scale)
+            q[r:r + rows, c:c + cols].copy_(part.clamp_(-FP8_MAX, FP8_MAX))
+    return q, scale
 
 
 def reference_linear(x2: torch.Tensor, spec, weight: torch.Tensor, weight_scale, weight_global_scale=None,
