@@ -140,7 +140,7 @@ class QuantLinear(nn.Module):
     # -- 2. loading ------------------------------------------------------------------------------
     def __setattr__(self, name, value):
         # Online layers quantize the moment transformers hands over their bf16 weight, so loading
-        # never holds more than one layer's bf16 copy (release_memory: nor its pages).
+        # never holds more than one layer's bf16 copy; release_memory then gives its pages back.
         lq = self.__dict__.get("lq")
         if (lq is not None and lq.online and name == "weight" and isinstance(value, torch.Tensor)
                 and value.device.type != "meta" and value.dtype in FLOATS):

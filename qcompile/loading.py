@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import struct
-import types
 import warnings
 from typing import Any
 
@@ -100,7 +99,7 @@ class QCompileHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.plan: dict[str, QuantLinear] = {}
         self.side_files: dict[str, bytes] = {}  # files the checkpoint keeps beside config.json, saved back
-        self.save_directory: str | None = None  # while save_pretrained runs (_save_pretrained)
+        self.save_directory: str | None = None  # while save_pretrained runs (_SaveWithSideFiles)
 
     def validate_environment(self, *args, **kwargs):
         self.qconfig = self.quantization_config.parsed()
@@ -125,7 +124,7 @@ class QCompileHfQuantizer(HfQuantizer):
         model.qcompile_plan = {name: m.lq for name, m in self.plan.items()}
         model.qcompile_config = self.qconfig
         if self.side_files:
-            model.save_pretrained = types.MethodType(_save_pretrained, model)
+            model.save_pretrained = _SaveWithSideFiles(model)
         return model
 
     def is_serializable(self, *args, **kwargs):
@@ -136,14 +135,7 @@ class QCompileHfQuantizer(HfQuantizer):
         checkpoint stored them (:meth:`QuantLinear.disk_tensors`); the config is the producer's (to_dict).
         An online model is saved as the compressed-tensors float-quantized checkpoint it now is."""
         modules = dict(model.named_modules())
-        for name in self.plan:
-            module = modules.get(name)
-            if not isinstance(module, QuantLinear):
-                raise UnsupportedError(
-                    f"the quantized layer was replaced after loading (now {type(module).__name__}); the checkpoint's "
-                    "config would no longer describe it", where=name,
-                    fix="save the model as loaded; to save a dequantized model in bf16, delete model.hf_quantizer and "
-                        "model.config.quantization_config first")
+        self._check_still_quantized(modules)
         state = model.state_dict()
         for name, module in modules.items():
             if isinstance(module, QuantLinear):
@@ -159,6 +151,15 @@ class QCompileHfQuantizer(HfQuantizer):
                 with open(os.path.join(self.save_directory, file), "wb") as f:
                     f.write(content)
         return state, {}
+
+    def _check_still_quantized(self, modules: dict[str, nn.Module]) -> None:
+        for name in self.plan:
+            if not isinstance(modules.get(name), QuantLinear):
+                raise UnsupportedError(
+                    f"the quantized layer was replaced after loading (now {type(modules.get(name)).__name__}); the "
+                    "checkpoint's config would no longer describe it", where=name,
+                    fix="save the model as loaded; to save a dequantized model in bf16, delete model.hf_quantizer and "
+                        "model.config.quantization_config first")
 
     @property
     def is_trainable(self) -> bool:
@@ -180,15 +181,21 @@ def _side_files(checkpoint_files, qconfig: QuantConfig) -> dict[str, bytes]:
         return {"hf_quant_config.json": f.read()}
 
 
-def _save_pretrained(model, save_directory, *args, **kwargs):
+class _SaveWithSideFiles:
     """``model.save_pretrained`` of a checkpoint with files beside config.json: the quantizer writes them
-    into ``save_directory`` during the save (so that ``push_to_hub`` uploads them too)."""
-    quantizer = model.hf_quantizer
-    quantizer.save_directory = os.fspath(save_directory)
-    try:
-        return type(model).save_pretrained(model, save_directory, *args, **kwargs)
-    finally:
-        quantizer.save_directory = None
+    into the save directory during the save (so that a push to the Hub uploads them too). An object,
+    not a bound method, so that the model still pickles and deep-copies."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, save_directory, *args, **kwargs):
+        quantizer = self.model.hf_quantizer
+        quantizer.save_directory = os.fspath(save_directory)
+        try:
+            return type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        finally:
+            quantizer.save_directory = None
 
 
 def compressed_tensors_fp8(scheme: QuantScheme, ignore: list[str]) -> dict[str, Any]:

@@ -210,3 +210,20 @@ def test_push_to_hub_uploads_the_producer_files(synth_ckpt, tmp_path, monkeypatc
     model.save_pretrained(tmp_path, push_to_hub=True)
     assert {"model.safetensors", "config.json", "hf_quant_config.json"} <= set(hub.uploaded)
     assert_same_checkpoint(synth_ckpt("modelopt-nvfp4"), tmp_path)
+
+
+def test_modelopt_model_copies_and_pickles(synth_ckpt, tmp_path):
+    """The save that writes hf_quant_config.json goes with a deep copy and survives torch.save / load."""
+    import copy
+    import io
+
+    src = synth_ckpt("modelopt-fp8")
+    model = qcompile.load(str(src))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        assert other.save_pretrained.model is other
+        other.save_pretrained(tmp_path)
+        assert_same_checkpoint(src, tmp_path)
+        shutil.rmtree(tmp_path)
