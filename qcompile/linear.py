@@ -10,6 +10,8 @@ Life cycle (driven by :mod:`qcompile.loading`):
 3. :meth:`QuantLinear.finalize` — reshape to the canonical shapes, invert reciprocal conventions,
    widen bf16 scales to fp32, reject NaN / inf / non-positive scales, quantize online layers, and
    re-register everything under the canonical role names.
+4. :meth:`QuantLinear.disk_tensors` — for ``save_pretrained``: the exact inverse of 3. (and of the
+   GPU tiling / act-order sort), the checkpoint's tensors with their names, dtypes, shapes and bytes.
 
 ``forward`` calls the reference op ``qcompile::linear_ref``, so an uncompiled model is correct on any
 device; the backend's Linear pass lowers that op to a kernel.
@@ -17,7 +19,11 @@ device; the backend's Linear pass lowers that op to a kernel.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -25,8 +31,8 @@ from torch import nn
 from .errors import CheckpointError, UnsupportedError
 from .kernels import quant_math
 from .kernels.reference import linear_ref, reference_supports  # noqa: F401  (registers the op)
-from .scheme import (Granularity, LayerQuant, Packing, QDtype, ScaleDtype, canonical_shape, disk_shape,
-                     parse_scheme_key, shape_matches)
+from .scheme import (Granularity, LayerQuant, Packing, QDtype, ScaleDtype, TensorSpec, canonical_shape,
+                     disk_shape, parse_scheme_key, shape_matches)
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.int32, torch.int64)
@@ -59,6 +65,14 @@ def allowed_dtypes(role: str, lq: LayerQuant) -> tuple[torch.dtype, ...]:
     raise AssertionError(role)
 
 
+class DiskTensor(NamedTuple):
+    """One checkpoint tensor of a layer as the file stores it (its suffix after the module name)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
 def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
@@ -73,7 +87,8 @@ class QuantLinear(nn.Module):
         self.scheme_key = lq.scheme.key
         self.dtype = dtype
         self.finalized = False
-        self._disk_names: dict[str, str] = {}  # role -> attribute name while loading
+        self.disk: dict[str, DiskTensor] = {}  # role -> the tensor as the checkpoint stores it (plan)
+        self._stored_reciprocals: dict[str, torch.Tensor] = {}  # role -> the stored value, fp32 (_to_canonical)
         self.bias = _param(torch.empty(out_features, dtype=dtype, device="meta")) if has_bias else None
 
     # -- 1. plan ---------------------------------------------------------------------------------
@@ -119,19 +134,20 @@ class QuantLinear(nn.Module):
             if lq.online and spec.role == "weight":
                 keep = disk_dtype
             setattr(mod, spec.name, _param(torch.empty(stored, dtype=keep, device="meta")))
-            mod._disk_names[spec.role] = spec.name
+            mod.disk[spec.role] = DiskTensor(spec.name, disk_dtype, tuple(stored))
         return mod
 
     # -- 2. loading ------------------------------------------------------------------------------
     def __setattr__(self, name, value):
         # Online layers quantize the moment transformers hands over their bf16 weight, so loading
-        # never holds more than one layer's bf16 copy.
+        # never holds more than one layer's bf16 copy; release_memory then gives its pages back.
         lq = self.__dict__.get("lq")
         if (lq is not None and lq.online and name == "weight" and isinstance(value, torch.Tensor)
                 and value.device.type != "meta" and value.dtype in FLOATS):
             with torch.no_grad():
                 for role, t in self._quantize_online(value.data).items():
                     super().__setattr__(role, _param(t))
+            release_memory(value.data)
             return
         super().__setattr__(name, value)
 
@@ -140,47 +156,67 @@ class QuantLinear(nn.Module):
     def finalize(self) -> None:
         if self.finalized:
             return
-        n, k, lq = self.out_features, self.in_features, self.lq
-        if lq.online:  # quantized when loaded (__setattr__)
+        if self.lq.online:  # quantized when loaded (__setattr__)
             if self.weight.device.type == "meta":
                 raise CheckpointError(f"tensor {self.name}.weight was not loaded", where=self.name,
                                       fix="the checkpoint index lists it but no shard held it; check the shards")
-            self._disk_names.clear()
             self.finalized = True
             return
         canonical: dict[str, torch.Tensor] = {}
-        for spec in lq.tensors:
-            attr = self._disk_names.get(spec.role)
-            if attr is None:
+        for spec in self.lq.tensors:
+            disk = self.disk.get(spec.role)
+            if disk is None:
                 continue
-            t = getattr(self, attr).data
+            t = getattr(self, disk.name).data
             if t.device.type == "meta":
                 raise CheckpointError(f"tensor {self.name}.{spec.name} was not loaded", where=self.name,
                                       fix="the checkpoint index lists it but no shard held it; check the shards")
-            delattr(self, attr)
-            if spec.packed_rows:
-                bits = lq.scheme.weight.dtype.bits
-                t = quant_math.unpack_int32(t.reshape(disk_shape(spec, lq.scheme, n, k)).t(), bits, n).t()
-                t = t.to(torch.int8)
-            t = t.reshape(canonical_shape(spec.role, lq.scheme, n, k))
-            if spec.role == "weight_shape":  # compressed-tensors' record of the unpacked shape
-                if t.tolist() != [n, k]:
-                    raise CheckpointError(f"tensor {self.name}.{spec.name} says {t.tolist()}, the layer is [{n}, {k}]",
-                                          where=self.name, fix="the checkpoint does not match the model config")
-                continue
-            if t.dtype == torch.float8_e4m3fn:  # NVFP4 block scales: zero is legal (an all-zero block)
-                _check_finite(t.float(), self.name, spec.name)
-            if t.dtype in FLOATS:
-                t = t.float()
-                _check_finite_positive(t, self.name, spec.name)
-                if spec.reciprocal:
-                    t = 1.0 / t
-            canonical[spec.role] = t.contiguous()
+            delattr(self, disk.name)
+            t = self._to_canonical(spec, t)
+            if t is not None:
+                canonical[spec.role] = t
         for role, t in canonical.items():
             setattr(self, role, _param(t))
-        self._disk_names.clear()
         self.finalized = True
         self._tile_for_kernel()
+
+    def _to_canonical(self, spec: TensorSpec, t: torch.Tensor) -> torch.Tensor | None:
+        """One checkpoint tensor as loaded -> its canonical form (scheme.py's conventions), checked; None for
+        ``weight_shape``, which is only checked. :meth:`_to_disk` is its exact inverse."""
+        n, k, scheme = self.out_features, self.in_features, self.lq.scheme
+        if spec.packed_rows:
+            t = quant_math.unpack_int32(t.reshape(disk_shape(spec, scheme, n, k)).t(), scheme.weight.dtype.bits, n).t()
+            t = t.to(torch.int8)
+        t = t.reshape(canonical_shape(spec.role, scheme, n, k))
+        if spec.role == "weight_shape":  # compressed-tensors' record of the unpacked shape
+            if t.tolist() != [n, k]:
+                raise CheckpointError(f"tensor {self.name}.{spec.name} says {t.tolist()}, the layer is [{n}, {k}]",
+                                      where=self.name, fix="the checkpoint does not match the model config")
+            return None
+        if t.dtype == torch.float8_e4m3fn:  # NVFP4 block scales: zero is legal (an all-zero block)
+            _check_finite(t.float(), self.name, spec.name)
+        if t.dtype in FLOATS:
+            t = t.float()  # bf16 / fp16 scales widen exactly
+            _check_finite_positive(t, self.name, spec.name)
+            if spec.reciprocal:
+                # 1 / (1 / x) is not x for ~17% of fp32 x (every bf16 x comes back): keep the stored value
+                self._stored_reciprocals[spec.role] = t
+                t = 1.0 / t
+        return t.contiguous()
+
+    def _to_disk(self, spec: TensorSpec, t: torch.Tensor | None) -> torch.Tensor:
+        """The inverse of :meth:`_to_canonical`: canonical ``t`` -> the tensor the checkpoint stored, in its
+        dtype and shape. A reciprocal is written from the stored value while ``t`` is still its inverse."""
+        n, k, disk = self.out_features, self.in_features, self.disk[spec.role]
+        if spec.role == "weight_shape":
+            t = torch.tensor([n, k])
+        if spec.reciprocal:
+            stored = self._stored_reciprocals.get(spec.role)
+            same = stored is not None and torch.equal(1.0 / stored.to(t.device), t)
+            t = stored.to(t.device) if same else 1.0 / t
+        if spec.packed_rows:
+            t = quant_math.pack_int32(t.reshape(n, -1).t(), self.lq.scheme.weight.dtype.bits).t()
+        return t.to(disk.dtype).reshape(disk.shape).contiguous()
 
     def _tile_for_kernel(self) -> None:
         """On a GPU where the registry picks ``wo_mma`` for this layer, permute the weight once into
@@ -188,7 +224,8 @@ class QuantLinear(nn.Module):
         decode, docs/kernels-wo.md). An act-order weight is first sorted by group for either GPU kernel
         (quant_math.sort_act_order; the op then gathers x's columns per call), when its g_idx allows
         it: wo_mma takes no g_idx, and Triton's per-element scale lookup through it was 13x slower than
-        its plain group path (8192², M=1). The old tensor is freed at once: one layer of extra memory."""
+        its plain group path (8192², M=1). The old tensor is freed at once: one layer of extra memory.
+        :meth:`disk_tensors` undoes both."""
         from .kernels.registry import KernelQuery, cuda_capability, select
 
         w = self.weight
@@ -204,26 +241,54 @@ class QuantLinear(nn.Module):
         if scheme.weight.act_order:
             sorted_scheme = replace(scheme, weight=replace(scheme.weight, act_order=False, k_sorted=True))
             name = kernel(sorted_scheme)
-            done = name in ("wo_mma", "wo_triton") and quant_math.sort_act_order(
-                w.data, self.weight_g_idx.data, scheme.weight, self.in_features)
-            if not done:
+            if name not in ("wo_mma", "wo_triton") or not self._sort_act_order():
                 return
-            self.weight, self.weight_g_idx = _param(done[0]), _param(done[1])
-            w, scheme = self.weight, sorted_scheme
-            self.scheme_key = scheme.key
         else:
             name = kernel(scheme)
-        if name != "wo_mma":
-            return
-        tiled = replace(scheme.weight, tiled=True)
-        self.weight = _param(quant_math.tile_weight(w.data, scheme.weight))
-        self.scheme_key = replace(scheme, weight=tiled).key
+        if name == "wo_mma":
+            self._tile()
+
+    def _sort_act_order(self) -> bool:
+        """Sort an act-order weight's input columns by group (scheme ``k_sorted``); False, and nothing
+        changed, when its g_idx does not allow it."""
+        scheme = parse_scheme_key(self.scheme_key)
+        done = quant_math.sort_act_order(self.weight.data, self.weight_g_idx.data, scheme.weight, self.in_features)
+        if done is None:
+            return False
+        self.weight, self.weight_g_idx = _param(done[0]), _param(done[1])
+        self.scheme_key = replace(scheme, weight=replace(scheme.weight, act_order=False, k_sorted=True)).key
+        return True
+
+    def _tile(self) -> None:
+        """Permute the weight into wo_mma's streaming order (scheme ``tiled``)."""
+        scheme = parse_scheme_key(self.scheme_key)
+        self.weight = _param(quant_math.tile_weight(self.weight.data, scheme.weight))
+        self.scheme_key = replace(scheme, weight=replace(scheme.weight, tiled=True)).key
+
+    # -- 4. saving -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def disk_tensors(self) -> dict[str, torch.Tensor]:
+        """``{on-disk name: tensor}``: the layer's checkpoint tensors exactly as the checkpoint stored them
+        (names, dtypes, shapes, bytes), from the current canonical tensors: the inverse of :meth:`finalize`
+        and of :meth:`_tile_for_kernel`. An online layer has no checkpoint of its own: its canonical FP8
+        tensors under their role names, which are compressed-tensors' float-quantized names."""
+        canonical = {role: getattr(self, role).data for role in OP_ROLES if getattr(self, role, None) is not None}
+        w = parse_scheme_key(self.scheme_key).weight
+        if w.tiled:
+            canonical["weight"] = quant_math.untile_weight(canonical["weight"], w)
+        if w.k_sorted:
+            canonical["weight"], canonical["weight_g_idx"] = quant_math.unsort_act_order(
+                canonical["weight"], canonical["weight_g_idx"], w, self.in_features)
+        if self.lq.online:
+            return {role: t.contiguous() for role, t in canonical.items()}
+        return {self.disk[spec.role].name: self._to_disk(spec, canonical.get(spec.role))
+                for spec in self.lq.tensors if spec.role in self.disk}
 
     def _quantize_online(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         w = self.lq.scheme.weight
-        _check_finite(weight, self.name, "weight")
         q, s = quant_math.quantize_weight_fp8(weight, w.scale.granularity,
                                               w.scale.block[0] if w.scale.granularity is Granularity.BLOCK else 128)
+        _check_finite(s, self.name, "weight")  # a NaN / inf weight makes its scale NaN / inf
         return {"weight": q, "weight_scale": s}
 
     # -- forward ---------------------------------------------------------------------------------
@@ -233,6 +298,40 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme_key}"
+
+
+MADV_DONTNEED = 4  # Linux
+
+
+def release_memory(source: torch.Tensor) -> None:
+    """After an online layer is quantized, give its memory back to the OS, so that loading a bf16
+    checkpoint peaks near the quantized size (tests/test_online_memory.py): drop the resident pages of
+    ``source`` (the bf16 weight) where it is a view of a mapped ``.safetensors`` file — transformers
+    loads through mmap, and every page read stays resident, and counted in the RSS, as long as anything
+    views the file — and return glibc's free heap (``malloc_trim``; the quantization's buffer and the
+    loader's temporaries otherwise leave free holes between the results that are never returned). Only
+    pages wholly inside ``source`` are dropped; a later read faults the file's bytes in again, so
+    nothing changes but the RSS. Linux / glibc only; elsewhere a no-op."""
+    if source.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None)
+    page = mmap.PAGESIZE
+    start, end = source.data_ptr(), source.data_ptr() + source.numel() * source.element_size()
+    first, last = -(-start // page) * page, end // page * page
+    if first < last and _in_safetensors_mapping(start, end):
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+    if hasattr(libc, "malloc_trim"):  # glibc
+        libc.malloc_trim(0)
+
+
+def _in_safetensors_mapping(start: int, end: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= start and end <= hi:
+                return len(fields) == 6 and fields[5].rstrip("\n").endswith(".safetensors")
+    return False
 
 
 def _check_divisible(lq: LayerQuant, name: str, n: int, k: int) -> None:

@@ -37,7 +37,7 @@ from .checkpoint_files import (confinement_root, find_index, index_weight_map, r
 from .errors import CheckpointError, ConfigError, UnsupportedError
 from .formats import QuantConfig, parse_quant_config
 from .linear import QuantLinear
-from .scheme import squeezed
+from .scheme import Granularity, QuantScheme, squeezed
 
 log = logging.getLogger("qcompile")
 
@@ -65,6 +65,7 @@ class QCompileConfig(QuantizationConfigMixin):
         self.online = online
         self.ignore = list(ignore or [])
         self.source = source
+        self.saved_as: dict | None = None  # an online config's compressed-tensors form, set when saving
         if online is not None:
             from .formats.online import online_config
             self.source = online_config(online, ignore=self.ignore)
@@ -76,7 +77,10 @@ class QCompileConfig(QuantizationConfigMixin):
         return parse_quant_config(self.source)
 
     def to_dict(self) -> dict[str, Any]:
-        # Saving the model writes the producer's config back, unchanged.
+        # Saving the model writes the producer's config back, unchanged; an online one as the
+        # compressed-tensors config of the FP8 layers it made (QCompileHfQuantizer.get_state_dict_and_metadata).
+        if self.saved_as is not None:
+            return dict(self.saved_as)
         return dict(self.source) if self.source else {"quant_method": "qcompile", "online": self.online}
 
 
@@ -95,6 +99,8 @@ class QCompileHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.plan: dict[str, QuantLinear] = {}
         self.kv_scales: dict[str, tuple[str, str]] = {}
+        self.side_files: dict[str, bytes] = {}  # files the checkpoint keeps beside config.json, saved back
+        self.save_directory: str | None = None  # while save_pretrained runs (_SaveWithSideFiles)
 
     def validate_environment(self, *args, **kwargs):
         self.qconfig = self.quantization_config.parsed()
@@ -112,6 +118,7 @@ class QCompileHfQuantizer(HfQuantizer):
         header = read_headers(checkpoint_files, getattr(model.config, "name_or_path", None))
         self.plan = plan_model(model, self.qconfig, header)
         self.kv_scales = plan_kv_scales(model, self.qconfig, header)
+        self.side_files = _side_files(checkpoint_files, self.qconfig)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         for module in self.plan.values():
@@ -119,10 +126,43 @@ class QCompileHfQuantizer(HfQuantizer):
         finalize_kv_scales(model, self.kv_scales)
         model.qcompile_plan = {name: m.lq for name, m in self.plan.items()}
         model.qcompile_config = self.qconfig
+        if self.side_files:
+            model.save_pretrained = _SaveWithSideFiles(model)
         return model
 
-    def is_serializable(self):
-        return False
+    def is_serializable(self, *args, **kwargs):
+        return True
+
+    def get_state_dict_and_metadata(self, model):
+        """What ``save_pretrained`` writes: the model's state dict with every QuantLinear's tensors as its
+        checkpoint stored them (:meth:`QuantLinear.disk_tensors`); the config is the producer's (to_dict).
+        An online model is saved as the compressed-tensors float-quantized checkpoint it now is."""
+        modules = dict(model.named_modules())
+        self._check_still_quantized(modules)
+        state = model.state_dict()
+        for name, module in modules.items():
+            if isinstance(module, QuantLinear):
+                for key in module.state_dict():
+                    if key != "bias":
+                        del state[f"{name}.{key}"]
+                state.update({f"{name}.{key}": t for key, t in module.disk_tensors().items()})
+        if self.qconfig.format == "online":
+            unquantized = sorted(name for name, m in modules.items() if isinstance(m, nn.Linear))
+            self.quantization_config.saved_as = compressed_tensors_fp8(self.qconfig.layer.scheme, unquantized)
+        if self.save_directory is not None:  # after the hub's timestamps, before its upload
+            for file, content in self.side_files.items():
+                with open(os.path.join(self.save_directory, file), "wb") as f:
+                    f.write(content)
+        return state, {}
+
+    def _check_still_quantized(self, modules: dict[str, nn.Module]) -> None:
+        for name in self.plan:
+            if not isinstance(modules.get(name), QuantLinear):
+                raise UnsupportedError(
+                    f"the quantized layer was replaced after loading (now {type(modules.get(name)).__name__}); the "
+                    "checkpoint's config would no longer describe it", where=name,
+                    fix="save the model as loaded; to save a dequantized model in bf16, delete model.hf_quantizer and "
+                        "model.config.quantization_config first")
 
     @property
     def is_trainable(self) -> bool:
@@ -131,6 +171,52 @@ class QCompileHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _side_files(checkpoint_files, qconfig: QuantConfig) -> dict[str, bytes]:
+    """ModelOpt's hf_quant_config.json beside the checkpoint, as bytes (saving writes it back)."""
+    if qconfig.format != "modelopt" or not checkpoint_files:
+        return {}
+    path = os.path.join(os.path.dirname(checkpoint_files[0]), "hf_quant_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, "rb") as f:
+        return {"hf_quant_config.json": f.read()}
+
+
+class _SaveWithSideFiles:
+    """``model.save_pretrained`` of a checkpoint with files beside config.json: the quantizer writes them
+    into the save directory during the save (so that a push to the Hub uploads them too). An object,
+    not a bound method, so that the model still pickles and deep-copies."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, save_directory, *args, **kwargs):
+        quantizer = self.model.hf_quantizer
+        quantizer.save_directory = os.fspath(save_directory)
+        try:
+            return type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        finally:
+            quantizer.save_directory = None
+
+
+def compressed_tensors_fp8(scheme: QuantScheme, ignore: list[str]) -> dict[str, Any]:
+    """The compressed-tensors float-quantized config of FP8 layers of ``scheme`` (online FP8: per-tensor
+    weights with dynamic per-tensor activations, or b x b blocks with dynamic 1 x b groups); ``ignore``:
+    the Linear modules left unquantized."""
+    w, act = scheme.weight, scheme.act
+    block = w.scale.granularity is Granularity.BLOCK
+
+    def args(strategy: str, dynamic: bool, **kw) -> dict[str, Any]:
+        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": dynamic,
+                "group_size": kw.get("group"), "block_structure": kw.get("block"), "actorder": None}
+    weights = args("block", False, block=list(w.scale.block)) if block else args("tensor", False)
+    acts = args("group", True, group=act.scale.group_size) if block else args("tensor", True)
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": acts, "output_activations": None,
+             "format": "float-quantized"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": ignore, "kv_cache_scheme": None}
 
 
 def read_headers(checkpoint_files, directory: str | None = None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

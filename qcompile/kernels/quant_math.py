@@ -214,15 +214,31 @@ def sort_act_order(weight: torch.Tensor, g_idx: torch.Tensor, spec: WeightSpec, 
     perm = torch.sort(g_idx.long(), stable=True).indices
     if not torch.equal(g_idx.long()[perm], torch.arange(k, device=g_idx.device) // g):
         return None
+    return _take_columns(weight, perm, spec, k, rows_per_step), perm.to(torch.int32)
+
+
+def unsort_act_order(weight: torch.Tensor, perm: torch.Tensor, spec: WeightSpec, k: int,
+                     rows_per_step: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`sort_act_order`: (the weight in its original column order, the original
+    g_idx, int32) from the sorted weight and its perm."""
+    perm = perm.long()
+    ks = torch.arange(k, device=perm.device)
+    inverse, g_idx = torch.empty_like(perm), torch.empty_like(perm)
+    inverse[perm] = ks
+    g_idx[perm] = ks // spec.scale.group_size
+    return _take_columns(weight, inverse, spec, k, rows_per_step), g_idx.to(torch.int32)
+
+
+def _take_columns(weight: torch.Tensor, cols: torch.Tensor, spec: WeightSpec, k: int, rows_per_step: int):
+    """A stored weight whose element column j is ``weight``'s column ``cols[j]`` (codes moved exactly)."""
     out = torch.empty_like(weight)
     for r in range(0, weight.shape[0], rows_per_step):
         part = weight[r:r + rows_per_step]
         if spec.packing is Packing.INT32:
-            codes = unpack_int32(part, spec.dtype.bits, k)[:, perm]
-            out[r:r + rows_per_step] = pack_int32(codes, spec.dtype.bits)
+            out[r:r + rows_per_step] = pack_int32(unpack_int32(part, spec.dtype.bits, k)[:, cols], spec.dtype.bits)
         else:
-            out[r:r + rows_per_step] = part[:, perm]
-    return out, perm.to(torch.int32)
+            out[r:r + rows_per_step] = part[:, cols]
+    return out
 
 
 def decode_weight_codes(weight: torch.Tensor, spec: WeightSpec, k: int) -> torch.Tensor:
@@ -358,23 +374,41 @@ def requantize_to_max_scale(weights: list[torch.Tensor], scales: list[torch.Tens
     return torch.cat(parts, dim=0), max_scale
 
 
-def quantize_weight_fp8(weight: torch.Tensor, granularity: Granularity, block: int = 128):
+def quantize_weight_fp8(weight: torch.Tensor, granularity: Granularity, block: int = 128,
+                        step_elems: int = 1 << 20):
     """Online FP8 weight quantization of a bf16/fp16 [N, K] weight. TENSOR -> scale []; CHANNEL ->
-    [N]; BLOCK -> [N/block, K/block] (N and K must divide; the caller checks and names the layer)."""
-    w = weight.float()
-    n, k = w.shape
+    [N]; BLOCK -> [N/block, K/block] (N and K must divide; the caller checks and names the layer).
+    The amax is taken in the weight's own dtype (exact) and the codes are made a few rows (a row of
+    blocks) at a time in one fp32 buffer of about ``step_elems`` elements (4 MiB), not in whole-layer
+    fp32 copies; bit-identical to quantizing the whole weight at once."""
+    n, k = weight.shape
     if granularity is Granularity.TENSOR:
-        scale = fp8_scale_from_amax(w.abs().amax())
-        return quantize_fp8(w, scale), scale
-    if granularity is Granularity.CHANNEL:
-        scale = fp8_scale_from_amax(w.abs().amax(dim=1))
-        return quantize_fp8(w, scale[:, None]), scale
-    if granularity is Granularity.BLOCK:
-        tiles = w.view(n // block, block, k // block, block)
-        scale = fp8_scale_from_amax(tiles.abs().amax(dim=(1, 3)))
-        q = quantize_fp8(tiles, scale[:, None, :, None]).view(n, k)
-        return q, scale
-    raise AssertionError(f"online weight granularity {granularity}")
+        lo, hi = torch.aminmax(weight)
+        scale = fp8_scale_from_amax(torch.maximum(hi, -lo).float())
+    elif granularity is Granularity.CHANNEL:
+        scale = fp8_scale_from_amax(torch.maximum(weight.amax(dim=1), -weight.amin(dim=1)).float())
+    elif granularity is Granularity.BLOCK:
+        tiles = weight.view(n // block, block, k // block, block)
+        scale = fp8_scale_from_amax(torch.maximum(tiles.amax(dim=(1, 3)), -tiles.amin(dim=(1, 3))).float())
+    else:
+        raise AssertionError(f"online weight granularity {granularity}")
+    if granularity is Granularity.BLOCK:  # one row of blocks, as many blocks across as fit
+        rows, cols = block, block * max(1, min(k // block, step_elems // block**2))
+    else:
+        rows, cols = max(1, step_elems // k), k
+    q = torch.empty((n, k), dtype=FP8, device=weight.device)
+    buf = torch.empty(min(rows, n) * min(cols, k), dtype=torch.float32, device=weight.device)
+    for r in range(0, n, rows):
+        for c in range(0, k, cols):
+            src = weight[r:r + rows, c:c + cols]
+            part = buf[:src.numel()].view(src.shape).copy_(src)
+            if granularity is Granularity.BLOCK:
+                row_scale = scale[r // block, c // block:(c + cols) // block]
+                part.view(block, -1, block).div_(row_scale[None, :, None])
+            else:
+                part.div_(scale[r:r + rows, None] if granularity is Granularity.CHANNEL else scale)
+            q[r:r + rows, c:c + cols].copy_(part.clamp_(-FP8_MAX, FP8_MAX))
+    return q, scale
 
 
 def reference_linear(x2: torch.Tensor, spec, weight: torch.Tensor, weight_scale, weight_global_scale=None,
