@@ -17,6 +17,7 @@ parameters have the on-disk dtypes; transformers then streams the shards into th
 
 from __future__ import annotations
 
+import math
 import logging
 import os
 import threading
@@ -99,6 +100,7 @@ class QCompileHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.plan: dict[str, QuantLinear] = {}
         self.kv_scales: dict[str, tuple[str, str]] = {}
+        self.kv_disk: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # KV-scale name -> (dtype, shape) as read
         self.side_files: dict[str, bytes] = {}  # files the checkpoint keeps beside config.json, saved back
         self.save_directory: str | None = None  # while save_pretrained runs (_SaveWithSideFiles)
 
@@ -118,6 +120,8 @@ class QCompileHfQuantizer(HfQuantizer):
         header = read_headers(checkpoint_files, getattr(model.config, "name_or_path", None))
         self.plan = plan_model(model, self.qconfig, header)
         self.kv_scales = plan_kv_scales(model, self.qconfig, header)
+        self.kv_disk = {f"{name}.{suffix}": header[f"{name}.{suffix}"]
+                        for name, pair in self.kv_scales.items() for suffix in pair}
         self.side_files = _side_files(checkpoint_files, self.qconfig)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -146,6 +150,7 @@ class QCompileHfQuantizer(HfQuantizer):
                     if key != "bias":
                         del state[f"{name}.{key}"]
                 state.update({f"{name}.{key}": t for key, t in module.disk_tensors().items()})
+        state.update(self._kv_disk_tensors(modules))
         if self.qconfig.format == "online":
             unquantized = sorted(name for name, m in modules.items() if isinstance(m, nn.Linear))
             self.quantization_config.saved_as = compressed_tensors_fp8(self.qconfig.layer.scheme, unquantized)
@@ -154,6 +159,18 @@ class QCompileHfQuantizer(HfQuantizer):
                 with open(os.path.join(self.save_directory, file), "wb") as f:
                     f.write(content)
         return state, {}
+
+    def _kv_disk_tensors(self, modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+        """The KV-cache scales as the checkpoint stored them (names, dtypes, shapes): a per-layer scale was
+        repeated per KV head at load, so its first element is the stored value."""
+        out = {}
+        for name, pair in self.kv_scales.items():
+            for suffix, leaf in zip(pair, ("k_scale", "v_scale")):
+                dtype, shape = self.kv_disk[f"{name}.{suffix}"]
+                t = getattr(modules[name], leaf)
+                t = t[:1] if math.prod(shape) == 1 else t
+                out[f"{name}.{suffix}"] = t.reshape(shape).to(dtype).clone()
+        return out
 
     def _check_still_quantized(self, modules: dict[str, nn.Module]) -> None:
         for name in self.plan:

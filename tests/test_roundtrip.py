@@ -227,3 +227,16 @@ def test_modelopt_model_copies_and_pickles(synth_ckpt, tmp_path):
         other.save_pretrained(tmp_path)
         assert_same_checkpoint(src, tmp_path)
         shutil.rmtree(tmp_path)
+
+
+@pytest.mark.parametrize("fmt,kv_cache", [("modelopt-fp8", "fp8"), ("ct-fp8-dynamic", "fp8"),
+                                          ("ct-fp8-dynamic", "fp8-head")])
+def test_kv_cache_scales_are_saved_back(fmt, kv_cache, tmp_path):
+    src = Path(synth.write_checkpoint(str(tmp_path / "src"), fmt, kv_cache=kv_cache))
+    model = round_trip(src, tmp_path / "saved")
+    reloaded = qcompile.load(str(tmp_path / "saved"))
+    attention = [name for name, m in model.named_modules() if "k_scale" in m._buffers]
+    assert len(attention) == model.config.num_hidden_layers
+    for name in attention:
+        a, b = model.get_submodule(name), reloaded.get_submodule(name)
+        assert torch.equal(a.k_scale, b.k_scale) and torch.equal(a.v_scale, b.v_scale), name
