@@ -102,7 +102,7 @@ class QuantLinear(nn.Module):
         why = reference_supports(lq.scheme)
         if why:
             raise UnsupportedError(f"{lq.source} layer uses {lq.scheme.key}: {why}", where=name,
-                                   fix="load a checkpoint in a runnable format (docs/formats.md) or wait for the issue named")
+                                   fix="load a checkpoint in a runnable format (docs/formats.md lists them)")
         _check_divisible(lq, name, n, k)
         dtype = linear.weight.dtype if linear.weight.dtype in FLOATS else torch.bfloat16
         mod = cls(k, n, linear.bias is not None, lq, name, dtype)

@@ -297,7 +297,7 @@ def _check_leftovers(model: nn.Module, plan: dict, header: dict, qconfig: QuantC
             raise UnsupportedError(
                 f"the checkpoint stores quantized tensors for a module qcompile cannot run yet ({key}; {kind})",
                 where=module,
-                fix="quantized MoE experts land with the fused-MoE issue; for now use a dense model or exclude the experts")
+                fix="quantized MoE experts are not runnable yet: use a dense model, or exclude the experts in the quantization config")
     if unused:
         warnings.warn(f"qcompile: the checkpoint has {len(unused)} attention-quantization scales ({unused[0]}, ...) "
                       "that are not used: attention runs in the model dtype", stacklevel=3)

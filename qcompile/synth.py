@@ -2,7 +2,7 @@
 
 Nothing can be downloaded here, so tests and ``qcompile run`` (with no checkpoint) build their models
 with these writers. Each writer reproduces the tensor names, dtypes, shapes, scale conventions and
-config files of the real producer (compare with ``shared/testdata/checkpoints``, written by
+config files of the real producer (compare with ``tests/data/checkpoints``, written by
 nvidia-modelopt 0.47 and llm-compressor 0.14):
 
 * ModelOpt: fp8 weights, fp32 scales (0-d per tensor, [N] per channel, [N/128, 1, K/128, 1] per
@@ -38,7 +38,7 @@ KV_CACHE_OPTIONS = {"modelopt": (None, "fp8"), "ct": (None, "fp8", "fp8-head")} 
 
 
 def tiny_llama_config(**overrides):
-    """The shape of shared/testdata's base model: hidden 256, intermediate 512, 2 layers, heads 4/2,
+    """The shape of tests/data's base model: hidden 256, intermediate 512, 2 layers, heads 4/2,
     head_dim 64, vocab 384, tied embeddings (all linear dims are multiples of 128)."""
     from transformers import LlamaConfig
 
@@ -98,7 +98,7 @@ def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0, source: st
                      kv_cache: str | None = None) -> str:
     """Write a tiny model in ``fmt`` (one of FORMATS) to ``path``; returns ``path``. ``source``: an
     unquantized checkpoint directory to quantize instead of a random model (``config`` / ``seed`` are
-    then unused), e.g. shared/testdata's base-bf16-dense to compare with the producers' own files.
+    then unused), e.g. tests/data's base-bf16-dense to compare with the producers' own files.
     ``kv_cache``: also write FP8 KV-cache scales as the producer does (:func:`_add_kv_scales`),
     ``"fp8"`` one per layer, ``"fp8-head"`` one per KV head (compressed-tensors ``attn_head``)."""
     from transformers import AutoModelForCausalLM

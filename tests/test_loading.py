@@ -124,7 +124,7 @@ def test_online_fp8_of_bf16_checkpoint(testdata, online, scheme):
     ("llmcompressor-nvfp4-dense", "w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global", 0.35),
 ])
 def test_4bit_producer_checkpoints_run_the_reference(testdata, name, scheme, tol):
-    """4-bit formats keep their packed storage and run the reference op (kernels: issue #3)."""
+    """4-bit formats keep their packed storage and run the reference op."""
     model = qcompile.load(str(testdata / name))
     q = model.model.layers[0].self_attn.q_proj
     assert isinstance(q, QuantLinear) and q.scheme_key == scheme
