@@ -1,0 +1,108 @@
+"""On a CUDA GPU, the paths around the kernels: gradients through the GPU kernels (tiled wo_mma weights,
+FP8 scaled_mm), compile-time online FP8 under inductor with CUDA graphs, save_pretrained after a GPU
+load (tiled weights written back untiled), HF generate compiling with qcompile, and the FP8 KV cache
+in generate's compiled decode."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, CompileConfig, StaticCache
+
+import qcompile
+from qcompile import synth
+from qcompile.kv_cache import FP8Cache, cache_kwargs, cache_nbytes
+from qcompile.linear import QuantLinear, dequantize_model
+from tests.test_roundtrip import assert_same_checkpoint
+
+pytestmark = pytest.mark.gpu
+IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128, 5, 300, 11]])
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def input_grad(model, forward):
+    """d(mean(logits²))/d(inputs_embeds) of ``forward`` (the model or its compiled form)."""
+    x = model.get_input_embeddings()(IDS.cuda()).detach().requires_grad_()
+    forward(inputs_embeds=x).logits.float().pow(2).mean().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("fmt,kernel,tol", [("ct-w4a16", "wo_mma", 0.03), ("modelopt-nvfp4", "wo_mma", 0.03),
+                                            ("modelopt-fp8", "fp8_scaled_mm", 0.15),
+                                            ("ct-fp8-block", "fp8_scaled_mm", 0.15)])
+def test_gradients_flow_through_the_gpu_kernels(fmt, kernel, tol, synth_ckpt):
+    """Straight-through: the activation gradient of the compiled model (GPU kernels, tiled weights)
+    against autograd through the dequantized bf16 model. Weight-only kernels differ by rounding
+    only; FP8 kernels also quantize the forward's activations, which moves the gradient more."""
+    if kernel == "fp8_scaled_mm" and "block" in fmt and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FP8 block GEMM is sm_90 only")
+    model = qcompile.load(str(synth_ckpt(fmt)), device="cuda")
+    torch._dynamo.reset()
+    be = qcompile.backend()
+    got = input_grad(model, torch.compile(model, backend=be))
+    assert kernel in {r.kernel for r in be.rows}, be.explain()
+    ref_model = dequantize_model(copy.deepcopy(model))
+    want = input_grad(ref_model, ref_model)
+    assert torch.isfinite(got).all()
+    assert rel(got, want) < tol
+
+
+@pytest.mark.parametrize("online", ["fp8_per_tensor", "fp8_per_block"])
+def test_online_fp8_at_compile_time_with_cuda_graphs(online, testdata):
+    model = AutoModelForCausalLM.from_pretrained(str(testdata / "base-bf16-dense"), dtype=torch.bfloat16).cuda()
+    model.eval()
+    ids = IDS.cuda()
+    with torch.no_grad():
+        ref = model(ids).logits.clone()
+        torch._dynamo.reset()
+        be = qcompile.backend(online=online, cudagraphs=True)
+        compiled = torch.compile(model, backend=be)
+        first = compiled(ids).logits.clone()
+        again = compiled(ids).logits.clone()  # a graph replay
+    assert {r.kernel for r in be.rows if r.scheme != "bf16"} == {"fp8_scaled_mm"}, be.explain()
+    assert torch.equal(first, again)
+    assert rel(first, ref) < 0.15  # FP8 weights and activations vs bf16, as in test_gpu_e2e
+
+
+@pytest.mark.parametrize("fmt", ["ct-w4a16", "ct-w8a16", "modelopt-nvfp4", "quark-mxfp4"])
+def test_save_after_a_gpu_load_writes_the_source(fmt, synth_ckpt, tmp_path):
+    src = synth_ckpt(fmt)
+    model = qcompile.load(str(src), device="cuda")
+    assert any("tiled" in m.scheme_key for m in model.modules() if isinstance(m, QuantLinear))
+    model.save_pretrained(tmp_path / "saved")
+    assert_same_checkpoint(src, tmp_path / "saved")
+
+
+def test_generate_compiles_with_qcompile(synth_ckpt):
+    """HF's own path: generate() compiles the forward with the backend its compile_config names when the
+    cache is static (the quantizer reports itself compileable); greedy tokens match the eager model's."""
+    model = qcompile.load(str(synth_ckpt("ct-w4a16")), device="cuda")
+    ids = IDS.cuda()
+    greedy = dict(max_new_tokens=12, do_sample=False, cache_implementation="static")
+    eager = model.generate(ids, disable_compile=True, **greedy)
+    torch._dynamo.reset()
+    out = model.generate(ids, compile_config=CompileConfig(backend="qcompile", mode="default"), **greedy)
+    assert "wo_mma" in qcompile.explain(), qcompile.explain()
+    assert out.shape == eager.shape
+    assert (out == eager).float().mean() > 0.9  # bf16 rounding may flip a late argmax on a random model
+
+
+def test_fp8_kv_cache_in_compiled_generate(tmp_path):
+    path = synth.write_checkpoint(str(tmp_path / "m"), "ct-w4a16", kv_cache="fp8")
+    model = qcompile.load(path, device="cuda")
+    ids = IDS.cuda()
+    kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              compile_config=CompileConfig(backend="qcompile", mode="default"))
+    torch._dynamo.reset()
+    fp8 = FP8Cache(model, max_cache_len=64)
+    got = model.generate(ids, **kw, **cache_kwargs(model, fp8))
+    bf16 = StaticCache(config=model.config, max_cache_len=64)
+    want = model.generate(ids, **kw, **cache_kwargs(model, bf16))
+    assert fp8.layers[0].keys.dtype == torch.float8_e4m3fn
+    assert 2 * cache_nbytes(fp8) == cache_nbytes(bf16)
+    assert rel(got.logits[0], want.logits[0]) < 0.08  # the FP8 cache's rounding of K and V
