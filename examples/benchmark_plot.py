@@ -19,21 +19,22 @@ import torch
 
 import qcompile
 from qcompile import synth
-from qcompile.bench import device_label
+from qcompile.bench import device_label, graph_time_us
 from qcompile.linear import dequantize_model
 
 
 def median_us(fn, x, reps: int) -> float:
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-    times = []
+    """Median µs per call. On a GPU, calls replayed from a CUDA graph (20 per graph), so that the
+    kernels are timed, not Python's launch overhead; on a CPU, wall-clock calls."""
     with torch.no_grad():
         for _ in range(3):  # compile and warm up
             fn(x)
+        if x.is_cuda:
+            return graph_time_us(lambda: fn(x), calls=20, replays=reps)
+        times = []
         for _ in range(reps):
-            sync()
             t0 = time.perf_counter()
             fn(x)
-            sync()
             times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
 

@@ -290,14 +290,15 @@ def check_emulated(q: KernelQuery) -> str | None:
 
 
 FP8_SCALED_MM = register(Kernel(
-    name="fp8_scaled_mm", op=OP, backend="scaled_mm", priority=30, check=check_scaled_mm,
+    name="fp8_scaled_mm", op=OP, backend="scaled_mm", priority=30, check=check_scaled_mm, computes=fp8_w8a8_reason,
     description="Triton activation quant + torch._scaled_mm (tensor/row-wise) or F.scaled_mm (block, sm_90)",
 ))
 FP8_FLASHINFER = register(Kernel(
     name="fp8_flashinfer", op=OP, backend="flashinfer", priority=20, check=check_flashinfer,
-    requires=("flashinfer",), description="Triton activation quant + flashinfer bmm_fp8 (per-tensor only)",
+    computes=fp8_w8a8_reason, requires=("flashinfer",),
+    description="Triton activation quant + flashinfer bmm_fp8 (per-tensor only)",
 ))
 FP8_EMULATED = register(Kernel(
-    name="fp8_emulated", op=OP, backend="emulated", priority=10, check=check_emulated,
+    name="fp8_emulated", op=OP, backend="emulated", priority=10, check=check_emulated, computes=fp8_w8a8_reason,
     description="FP8 quantize-dequantize + fp32 matmul (any device)",
 ))

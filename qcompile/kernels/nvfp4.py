@@ -100,5 +100,5 @@ def check_flashinfer(q: KernelQuery) -> str | None:
 
 NVFP4_FLASHINFER = register(Kernel(
     name="nvfp4_flashinfer", op=OP, backend="flashinfer", priority=40, check=check_flashinfer,
-    requires=("flashinfer",), description="flashinfer fp4_quantize + mm_fp4 (NVFP4 W4A4, sm_100+)",
+    computes=nvfp4_w4a4_reason, requires=("flashinfer",), description="flashinfer fp4_quantize + mm_fp4 (NVFP4 W4A4, sm_100+)",
 ))

@@ -82,7 +82,7 @@ def _check(q: KernelQuery) -> str | None:
 
 
 REFERENCE = register(Kernel(
-    name="reference", op=OP, backend="", priority=0, check=_check,
+    name="reference", op=OP, backend="", priority=0, check=_check, computes=reference_supports,
     description="dequantize + fp32 matmul (any device); the oracle",
 ))
 

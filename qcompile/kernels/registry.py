@@ -45,8 +45,14 @@ class Kernel:
     description: str = ""
     requires: tuple[str, ...] = field(default=())  # python modules that must import (e.g. "flashinfer")
     act_dtypes: tuple[torch.dtype, ...] | None = None  # activation dtypes the op takes; None: any
+    # What the kernel computes: None when it runs ``scheme``'s math, else why not. A kernel that computes
+    # something else is not a faster kernel passed over, so the explain table leaves it out.
+    computes: Callable[[QuantScheme], str | None] | None = None
 
     def reason_not(self, q: KernelQuery) -> str | None:
+        why = self.computes(q.scheme) if self.computes else None
+        if why:
+            return why
         for mod in self.requires:
             if not module_available(mod):
                 return f"{mod} is not installed"
@@ -102,13 +108,16 @@ def select(q: KernelQuery, override: str | dict[str, str] | None = None, module:
             raise UnsupportedError(f"kernel override {forced!r} cannot run {q.scheme.key} here: {why}",
                                    where=module or "options.kernels", fix="drop the override or pick another kernel")
         return Selection(kernel, [])
-    rejected = []
+    rejected, unrelated = [], []
     for kernel in kernels():
+        if kernel.computes and kernel.computes(q.scheme):
+            unrelated.append((kernel.name, kernel.computes(q.scheme)))
+            continue
         why = kernel.reason_not(q)
         if why is None:
             return Selection(kernel, rejected)
         rejected.append((kernel.name, why))
-    detail = "; ".join(f"{n}: {r}" for n, r in rejected)
+    detail = "; ".join(f"{n}: {r}" for n, r in rejected + unrelated)
     raise UnsupportedError(
         f"no kernel runs {q.scheme.key} on {q.device} (N={q.n}, K={q.k}): {detail}",
         where=module or "kernel selection",
