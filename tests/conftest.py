@@ -44,3 +44,20 @@ def synth_ckpt(tmp_path_factory):
         return cache[fmt]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def one_layer(tmp_path_factory):
+    """one_layer("ct-w4a16") -> path of a one-layer tiny checkpoint in that format (written once per session)."""
+    from qcompile import synth
+
+    cache: dict[str, Path] = {}
+
+    def make(fmt: str) -> Path:
+        if fmt not in cache:
+            path = tmp_path_factory.mktemp(f"one-layer-{fmt}")
+            synth.write_checkpoint(str(path), fmt, config=synth.tiny_llama_config(num_hidden_layers=1))
+            cache[fmt] = path
+        return cache[fmt]
+
+    return make

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 import qcompile
-from qcompile import synth
 from qcompile.kernels import quant_math, reference
 from qcompile.linear import QuantLinear
 from qcompile.scheme import parse_scheme_key
@@ -187,19 +186,6 @@ def test_dequantize_weight_op(name):
 
 
 # -- on a model ----------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def one_layer(tmp_path_factory):
-    cache = {}
-
-    def make(fmt):
-        if fmt not in cache:
-            path = tmp_path_factory.mktemp(fmt)
-            synth.write_checkpoint(str(path), fmt, config=synth.tiny_llama_config(num_hidden_layers=1))
-            cache[fmt] = str(path)
-        return cache[fmt]
-    return make
-
 
 # compiled vs eager logits: aot_eager's weight-only kernel multiplies in bf16 (~1 %); inductor also keeps
 # fp32 intermediates where eager rounds (docs/design.md, Numerics)

@@ -31,20 +31,7 @@ TOLERANCE = {"aot_eager": 0.02, "inductor": 0.1}
 INDUCTOR_CELLS = [("ct-w4a16", "fp32"), ("modelopt-fp8-pbwo", "fp16"), ("ct-nvfp4", "bf16")]
 
 
-@pytest.fixture(scope="module")
-def one_layer(tmp_path_factory):
-    cache = {}
-
-    def make(fmt):
-        if fmt not in cache:
-            path = tmp_path_factory.mktemp(fmt)
-            synth.write_checkpoint(str(path), fmt, config=synth.tiny_llama_config(num_hidden_layers=1))
-            cache[fmt] = str(path)
-        return cache[fmt]
-    return make
-
-
-def compile_and_compare(path: str, dtype: torch.dtype, inner: str):
+def compile_and_compare(path, dtype: torch.dtype, inner: str):
     model = qcompile.load(path, dtype=dtype)
     torch._dynamo.reset()  # a model of the same structure compiled earlier would be reused silently
     be = qcompile.backend(inner=inner)

@@ -11,7 +11,6 @@ import torch
 from expecttest import assert_expected_inline
 
 import qcompile
-from qcompile import synth
 from qcompile.linear import dequantize_model
 
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64]])
@@ -43,19 +42,6 @@ def _graph_diff(before: str, after: str) -> str:
     """Before/after of the linears only: what the pass rewrote."""
     diff = difflib.unified_diff(_linear_lines(before), _linear_lines(after), lineterm="", n=0)
     return "\n".join(x for x in diff if x[:1] in "+-" and not x.startswith(("+++", "---")))
-
-
-@pytest.fixture(scope="module")
-def one_layer(tmp_path_factory):
-    cache = {}
-
-    def make(fmt):
-        if fmt not in cache:
-            path = tmp_path_factory.mktemp(fmt)
-            synth.write_checkpoint(str(path), fmt, config=synth.tiny_llama_config(num_hidden_layers=1))
-            cache[fmt] = path
-        return cache[fmt]
-    return make
 
 
 def compile_and_diff(model, **options):
