@@ -30,6 +30,7 @@ from torch import nn
 
 from .errors import CheckpointError, UnsupportedError
 from .kernels import quant_math
+from .modules import linear_shape
 from .kernels.reference import linear_ref, reference_supports  # noqa: F401  (registers the op)
 from .scheme import (Granularity, LayerQuant, Packing, QDtype, ScaleDtype, TensorSpec, canonical_shape,
                      disk_shape, parse_scheme_key, shape_matches)
@@ -90,22 +91,30 @@ class QuantLinear(nn.Module):
         self.disk: dict[str, DiskTensor] = {}  # role -> the tensor as the checkpoint stores it (plan)
         self._stored_reciprocals: dict[str, torch.Tensor] = {}  # role -> the stored value, fp32 (_to_canonical)
         self.bias = _param(torch.empty(out_features, dtype=dtype, device="meta")) if has_bias else None
+        self.transposed = False  # online from a Conv1D: the bf16 weight arrives [in, out]
 
     # -- 1. plan ---------------------------------------------------------------------------------
     @classmethod
-    def plan(cls, linear: nn.Linear, name: str, lq: LayerQuant, header: dict[str, tuple[torch.dtype, tuple]]
+    def plan(cls, linear: nn.Module, name: str, lq: LayerQuant, header: dict[str, tuple[torch.dtype, tuple]]
              ) -> "QuantLinear":
-        """Build the replacement for ``linear`` (named ``name``) from ``header``: the checkpoint's
+        """Build the replacement for ``linear`` (named ``name``; an ``nn.Linear`` or what
+        :func:`qcompile.modules.linear_shape` calls a linear) from ``header``: the checkpoint's
         ``{tensor name: (dtype, shape)}``. Raises CheckpointError / UnsupportedError naming the
-        layer, the tensor and the fix."""
-        n, k = linear.out_features, linear.in_features
+        layer, the tensor and the fix. A Conv1D (weight stored [in, out]) is planned only for online
+        quantization, which quantizes the transposed weight."""
+        shape = linear_shape(linear)
+        n, k = shape.out_features, shape.in_features
+        if shape.transposed and not lq.online:
+            raise UnsupportedError(f"{type(linear).__name__} layers (weight stored [in, out]) are quantized online only",
+                                   where=name, fix="exclude this layer in the quantization config")
         why = reference_supports(lq.scheme)
         if why:
             raise UnsupportedError(f"{lq.source} layer uses {lq.scheme.key}: {why}", where=name,
                                    fix="load a checkpoint in a runnable format (docs/formats.md lists them)")
         _check_divisible(lq, name, n, k)
         dtype = linear.weight.dtype if linear.weight.dtype in FLOATS else torch.bfloat16
-        mod = cls(k, n, linear.bias is not None, lq, name, dtype)
+        mod = cls(k, n, shape.bias, lq, name, dtype)
+        mod.transposed = shape.transposed
         for spec in lq.tensors:
             full = f"{name}.{spec.name}"
             if full not in header:
@@ -122,6 +131,8 @@ class QuantLinear(nn.Module):
                     f"tensor {full!r} has dtype {disk_dtype}, expected one of {list(ok_dtypes)}", where=name,
                     fix=f"the config says {lq.scheme.key}; the checkpoint and its config disagree")
             want = disk_shape(spec, lq.scheme, n, k)
+            if shape.transposed and spec.role == "weight":
+                want = want[::-1]
             if not shape_matches(stored, want):
                 packed = f" ({32 // lq.scheme.weight.dtype.bits} codes per int32 along out_features)" \
                     if spec.packed_rows else ""
@@ -145,8 +156,11 @@ class QuantLinear(nn.Module):
         if (lq is not None and lq.online and name == "weight" and isinstance(value, torch.Tensor)
                 and value.device.type != "meta" and value.dtype in FLOATS):
             with torch.no_grad():
-                for role, t in self._quantize_online(value.data).items():
-                    super().__setattr__(role, _param(t))
+                weight = value.data.t().contiguous() if self.transposed else value.data
+                for role, t in self._quantize_online(weight).items():
+                    param = _param(t)
+                    param._is_hf_initialized = True  # loaded: transformers' weight init must leave it alone
+                    super().__setattr__(role, param)
             release_memory(value.data)
             return
         super().__setattr__(name, value)

@@ -38,6 +38,7 @@ from .checkpoint_files import (confinement_root, find_index, index_weight_map, r
 from .errors import CheckpointError, ConfigError, UnsupportedError
 from .formats import QuantConfig, parse_quant_config
 from .linear import QuantLinear
+from .modules import is_router, linear_shape
 from .scheme import Granularity, QuantScheme, squeezed
 
 log = logging.getLogger("qcompile")
@@ -250,8 +251,12 @@ def plan_model(model: nn.Module, qconfig: QuantConfig, header: dict) -> dict[str
     """Swap every quantized ``nn.Linear`` of ``model`` for a planned QuantLinear. Refuses checkpoint
     tensors that belong to a quantized module qcompile cannot run yet (e.g. fused MoE experts)."""
     plan: dict[str, QuantLinear] = {}
+    routers: list[str] = []
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
+        if linear_shape(module) is None:
+            continue
+        if qconfig.format == "online" and is_router(name, module):
+            routers.append(name)  # routers choose experts; never quantized online (qcompile.modules)
             continue
         lq = qconfig.resolve(name, "linear")
         if lq is None:
@@ -268,7 +273,25 @@ def plan_model(model: nn.Module, qconfig: QuantConfig, header: dict) -> dict[str
         model.get_submodule(parent).register_module(leaf, new) if parent else setattr(model, leaf, new)
         plan[name] = new
     _check_leftovers(model, plan, header, qconfig)
+    _report_coverage(model, plan, routers, qconfig)
     return plan
+
+
+def _report_coverage(model: nn.Module, plan: dict, routers: list[str], qconfig: QuantConfig) -> None:
+    """Say how much of the model was quantized: a warning when nothing was, or when modules that hold
+    most weights (MoE experts, modules with a forward of their own) stay unquantized."""
+    linears = [name for name, m in model.named_modules() if linear_shape(m) is not None or name in plan]
+    left = [name for name in linears if name not in plan and name not in routers]
+    log.info("qcompile: %d of %d linear layers quantized (%s); left as they are: %d routers, %s", len(plan),
+             len(linears), qconfig.describe(), len(routers), left[:8])
+    if not plan:
+        warnings.warn(f"qcompile: no layer of {type(model).__name__} was quantized ({qconfig.describe()}): no "
+                      "module is a linear the config targets", stacklevel=4)
+    skipped = [name for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and linear_shape(m) is None and not is_router(name, m)]
+    if skipped:
+        warnings.warn(f"qcompile: {len(skipped)} nn.Linear subclasses with a forward of their own stay unquantized "
+                      f"({skipped[0]}: {type(model.get_submodule(skipped[0])).__name__})", stacklevel=4)
 
 
 def _check_unquantized(name: str, header: dict, qconfig: QuantConfig) -> None:
