@@ -26,13 +26,14 @@ from torch import fx
 
 from ..formats import QuantConfig
 from ..kernels import quant_math
+from ..modules import is_router
 from ..kernels.registry import KernelQuery, Selection, cuda_capability, select
 from ..scheme import Granularity, parse_scheme_key
 
 log = logging.getLogger("qcompile")
 
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
-ROUTER_LEAVES = ("gate", "router", "shared_expert_gate")  # MoE routers stay in high precision
+ADDMM_TARGETS = (torch.addmm, torch.ops.aten.addmm.default)  # transformers' Conv1D: addmm(bias, x, W [in, out])
 
 
 @dataclass
@@ -143,12 +144,12 @@ def lower_linears(gm: fx.GraphModule, example_inputs, kernels=None, online: Quan
             args = _bind(node, ref_op)
             scheme_key, x, w = args["scheme"], _value(args["x"]), _value(args["weight"])
             module = module_of(args["weight"]) if isinstance(args["weight"], fx.Node) else "?"
-        elif online is not None and node.target in LINEAR_TARGETS:
+        elif online is not None and node.target in LINEAR_TARGETS + ADDMM_TARGETS:
             args = _online_args(gm, node, online, real, rows, n_online)
             if args is None:
                 continue
             n_online += 1
-            scheme_key, x, w = args.pop("scheme"), _value(node.args[0]), args.pop("_weight_shape")
+            scheme_key, x, w = args.pop("scheme"), _value(args["x"]), args.pop("_weight_shape")
             module = args.pop("_module")
         else:
             continue
@@ -173,20 +174,27 @@ def lower_linears(gm: fx.GraphModule, example_inputs, kernels=None, online: Quan
 
 
 def _online_args(gm, node: fx.Node, online: QuantConfig, real: dict, rows: list, index: int) -> dict | None:
-    """For an ``F.linear`` on a parameter: quantize the weight into graph constants and return the
-    canonical op arguments, or None (with an explain row when the layer was considered)."""
-    x_node, w_node = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    """For an ``F.linear`` (or a Conv1D's ``addmm(bias, x, W)``, W stored [in, out]) on a parameter:
+    quantize the weight into graph constants and return the canonical op arguments, or None (with
+    an explain row when the layer was considered)."""
+    conv1d = node.target in ADDMM_TARGETS
+    if conv1d:
+        if len(node.args) != 3 or node.kwargs:  # beta / alpha: not a Conv1D
+            return None
+        bias, x_node, w_node = node.args
+    else:
+        x_node, w_node = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     if not isinstance(w_node, fx.Node) or w_node.op != "placeholder" or w_node not in real:
         return None
-    weight = real[w_node]
+    weight = real[w_node].t() if conv1d else real[w_node]
     module = module_of(w_node)
     if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None
-    if module.rpartition(".")[2] in ROUTER_LEAVES:
+    if is_router(module):
         rows.append(ExplainRow(module, "bf16", "aten::linear", "bf16", "router: kept in high precision"))
         return None
-    shared = [u for u in w_node.users if u.target not in LINEAR_TARGETS]
+    shared = [u for u in w_node.users if u.target not in LINEAR_TARGETS + ADDMM_TARGETS]
     if shared:  # e.g. lm_head tied to the embedding: the same tensor also feeds an embedding lookup
         rows.append(ExplainRow(module, "bf16", "aten::linear", "bf16",
                                f"weight shared with {getattr(shared[0].target, '__name__', shared[0].target)} (tied); "
@@ -204,7 +212,7 @@ def _online_args(gm, node: fx.Node, online: QuantConfig, real: dict, rows: list,
                                f"[{n}, {k}] does not divide into {max(block, 16)}-element tiles"))
         return None
     with torch.no_grad():
-        q, s = quant_math.quantize_weight_fp8(weight.detach(), spec.granularity, block or 128)
+        q, s = quant_math.quantize_weight_fp8(weight.detach().contiguous(), spec.granularity, block or 128)
     with gm.graph.inserting_before(node):
         wq = add_constant(gm, f"_qcompile_online_w{index}", q)
         ws = add_constant(gm, f"_qcompile_online_s{index}", s.float())

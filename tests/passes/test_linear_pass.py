@@ -237,7 +237,7 @@ def test_compiled_matches_eager_for_every_scheme(one_layer):
 
 def test_router_is_never_quantized_online():
     """A MoE router (an nn.Linear named `gate`) stays bf16 under online quantization."""
-    from qcompile.passes.linear import ROUTER_LEAVES
+    from qcompile.modules import ROUTER_LEAVES
 
     class Block(torch.nn.Module):
         def __init__(self):
