@@ -472,7 +472,7 @@ def reference_linear(x2: torch.Tensor, spec, weight: torch.Tensor, weight_scale,
                      weight_zero_point=None, weight_g_idx=None, input_scale=None, input_global_scale=None,
                      bias=None) -> torch.Tensor:
     """The quantized linear's math in fp32: ``qdq(x2) @ dequantize(weight).T + bias`` for x2 [M, K] and
-    a QuantScheme ``spec``. Returns fp32 [M, N]; callers cast. Shared by the reference op and the
+    a QuantScheme ``spec``. Returns fp32 [M, N]; callers cast. Shared by the reference ops and the
     kernels' emulated backends, so there is one definition of what every kernel must compute."""
     k = x2.shape[-1]
     w = dequantize_weight(weight, weight_scale, spec.weight, weight_global_scale, weight_zero_point, weight_g_idx,
