@@ -8,8 +8,9 @@ the ``torch_dynamo_backends`` entry point) and, from a source checkout too, once
     torch.compile(model, backend=qcompile.backend(inner="inductor", kernels={"*.down_proj": "reference"},
                                                   online="fp8_per_block", cudagraphs=True))
 
-Pipeline on the graph Dynamo hands over: the Linear pass (``qcompile.passes.linear``), then the inner
-compiler. ``qcompile.explain()`` (or ``backend_instance.explain()``) prints what matched.
+Pipeline on the graph Dynamo hands over: the lowering passes in order (:meth:`QCompileBackend.passes`:
+the Linear pass ``qcompile.passes.linear``, then the Experts pass ``qcompile.passes.experts``), then the
+inner compiler. ``qcompile.explain()`` (or ``backend_instance.explain()``) prints what matched.
 """
 
 from __future__ import annotations
@@ -71,16 +72,24 @@ class QCompileBackend:
             if key not in self._by_options:
                 self._by_options[key] = QCompileBackend(**{**self._given(), **options})
             return self._by_options[key](gm, example_inputs)
-        from .passes.linear import lower_linears
-
         before = gm.code if self.options.on_graph else None
-        rows = lower_linears(gm, example_inputs, kernels=self.options.kernels, online=self._online)
-        self._rows.update((r.module, r) for r in rows)
+        for lower in self.passes():
+            self._rows.update((r.module, r) for r in lower(gm, example_inputs))
         _LAST.clear()
         _LAST.extend(self.rows)
         if self.options.on_graph:
             self.options.on_graph(before, gm.code)
         return self._inner(gm, example_inputs)
+
+    def passes(self) -> list:
+        """The lowering passes, in the order they run: each rewrites the graph in place and returns its
+        explain rows."""
+        from .passes.experts import lower_experts
+        from .passes.linear import lower_linears
+
+        kernels = self.options.kernels
+        return [lambda gm, ex: lower_linears(gm, ex, kernels=kernels, online=self._online),
+                lambda gm, ex: lower_experts(gm, ex, kernels=kernels)]
 
     @property
     def rows(self) -> list:

@@ -377,10 +377,15 @@ def _check_finite_positive(t: torch.Tensor, layer: str, tensor: str) -> None:
 
 @torch.no_grad()
 def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """In place: replace every QuantLinear by an ``nn.Linear`` holding its dequantized weight (the
-    "dequantized bf16 reference" compiled outputs are compared with). Activations are not quantized
-    in the result. Returns ``model``."""
+    """In place: replace every QuantLinear by an ``nn.Linear`` holding its dequantized weight, and every
+    QuantExperts by the HF experts module it replaced, holding the dequantized experts (the "dequantized
+    bf16 reference" compiled outputs are compared with). Activations are not quantized in the result.
+    Returns ``model``."""
     for name, mod in list(model.named_modules()):
+        parent, _, leaf = name.rpartition(".")
+        if hasattr(mod, "dequantized"):  # a QuantExperts
+            setattr(model.get_submodule(parent) if parent else model, leaf, mod.dequantized(dtype))
+            continue
         if not isinstance(mod, QuantLinear):
             continue
         w = quant_math.dequantize_weight(mod.weight, mod.weight_scale, parse_scheme_key(mod.scheme_key).weight,
@@ -391,6 +396,5 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> n
         lin.weight.copy_(w.to(dtype))
         if mod.bias is not None:
             lin.bias.copy_(mod.bias)
-        parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, lin)
     return model

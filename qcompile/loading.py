@@ -17,9 +17,11 @@ parameters have the on-disk dtypes; transformers then streams the shards into th
 
 from __future__ import annotations
 
+import inspect
 import math
 import logging
 import os
+import re
 import threading
 import warnings
 from typing import Any
@@ -37,6 +39,7 @@ from .checkpoint_files import (confinement_root, find_index, index_weight_map, r
                                read_json)
 from .errors import CheckpointError, ConfigError, UnsupportedError
 from .formats import QuantConfig, parse_quant_config
+from .experts import QuantExperts, experts_on_disk, is_experts, locate_experts
 from .linear import QuantLinear
 from .modules import is_router, linear_shape
 from .scheme import Granularity, QuantScheme, squeezed
@@ -99,7 +102,7 @@ class QCompileHfQuantizer(HfQuantizer):
 
     def __init__(self, quantization_config: QCompileConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
-        self.plan: dict[str, QuantLinear] = {}
+        self.plan: dict[str, QuantLinear | QuantExperts] = {}
         self.kv_scales: dict[str, tuple[str, str]] = {}
         self.kv_disk: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # KV-scale name -> (dtype, shape) as read
         self.side_files: dict[str, bytes] = {}  # files the checkpoint keeps beside config.json, saved back
@@ -125,6 +128,15 @@ class QCompileHfQuantizer(HfQuantizer):
                         for name, pair in self.kv_scales.items() for suffix in pair}
         self.side_files = _side_files(checkpoint_files, self.qconfig)
 
+    def update_weight_conversions(self, weight_conversions, model=None):
+        """transformers' checkpoint conversions, less those that would merge the per-expert tensors of a
+        planned QuantExperts into the fused HF parameters: those tensors load unmerged into its slots."""
+        fused = [f"{name}.{p}" for name, m in self.plan.items() if isinstance(m, QuantExperts)
+                 for p in m.hf_template._parameters]
+        kept = [c for c in weight_conversions if not _merges_into(c, fused)]
+        base = super().update_weight_conversions
+        return base(kept, model) if "model" in inspect.signature(base).parameters else base(kept)
+
     def _process_model_after_weight_loading(self, model, **kwargs):
         for module in self.plan.values():
             module.finalize()
@@ -146,7 +158,7 @@ class QCompileHfQuantizer(HfQuantizer):
         self._check_still_quantized(modules)
         state = model.state_dict()
         for name, module in modules.items():
-            if isinstance(module, QuantLinear):
+            if isinstance(module, (QuantLinear, QuantExperts)):
                 for key in module.state_dict():
                     if key != "bias":
                         del state[f"{name}.{key}"]
@@ -174,8 +186,8 @@ class QCompileHfQuantizer(HfQuantizer):
         return out
 
     def _check_still_quantized(self, modules: dict[str, nn.Module]) -> None:
-        for name in self.plan:
-            if not isinstance(modules.get(name), QuantLinear):
+        for name, planned in self.plan.items():
+            if not isinstance(modules.get(name), type(planned)):
                 raise UnsupportedError(
                     f"the quantized layer was replaced after loading (now {type(modules.get(name)).__name__}); the "
                     "checkpoint's config would no longer describe it", where=name,
@@ -189,6 +201,20 @@ class QCompileHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _merges_into(conversion, params: list[str]) -> bool:
+    """Whether transformers' ``conversion`` (a WeightConverter) builds one of ``params`` (full names)."""
+    if type(conversion).__name__ != "WeightConverter":
+        return False
+    for pattern in getattr(conversion, "_original_target_patterns", conversion.target_patterns):
+        try:
+            regex = re.compile(pattern.lstrip("^") + r"$")
+        except re.error:
+            continue
+        if any(regex.search(p) for p in params):
+            return True
+    return False
 
 
 def _side_files(checkpoint_files, qconfig: QuantConfig) -> dict[str, bytes]:
@@ -247,12 +273,22 @@ def read_headers(checkpoint_files, directory: str | None = None) -> dict[str, tu
     return read_checkpoint(files, find_index(files, local), root)
 
 
-def plan_model(model: nn.Module, qconfig: QuantConfig, header: dict) -> dict[str, QuantLinear]:
-    """Swap every quantized ``nn.Linear`` of ``model`` for a planned QuantLinear. Refuses checkpoint
-    tensors that belong to a quantized module qcompile cannot run yet (e.g. fused MoE experts)."""
-    plan: dict[str, QuantLinear] = {}
+def plan_model(model: nn.Module, qconfig: QuantConfig, header: dict) -> dict[str, nn.Module]:
+    """Swap every quantized ``nn.Linear`` of ``model`` for a planned QuantLinear and every quantized
+    experts module for a planned QuantExperts. Refuses checkpoint tensors that belong to a quantized
+    module qcompile cannot run."""
+    plan: dict[str, nn.Module] = {}
+    covered: list[str] = []  # checkpoint prefixes of the planned experts
     routers: list[str] = []
+    on_disk = experts_on_disk(header)
     for name, module in list(model.named_modules()):
+        if is_experts(module):
+            new = _plan_experts(name, module, qconfig, header, on_disk)
+            if new is not None:
+                _swap(model, name, new)
+                plan[name] = new
+                covered.append(new.disk_prefix + ".")
+            continue
         if linear_shape(module) is None:
             continue
         if qconfig.format == "online" and is_router(name, module):
@@ -269,10 +305,9 @@ def plan_model(model: nn.Module, qconfig: QuantConfig, header: dict) -> dict[str
                 log.info("qcompile: %s is targeted by %s but stored unquantized; kept in bf16", name, lq.source)
                 continue
         new = QuantLinear.plan(module, name, lq, header)
-        parent, _, leaf = name.rpartition(".")
-        model.get_submodule(parent).register_module(leaf, new) if parent else setattr(model, leaf, new)
+        _swap(model, name, new)
         plan[name] = new
-    _check_leftovers(model, plan, header, qconfig)
+    _check_leftovers(model, plan, header, qconfig, tuple(covered))
     _report_coverage(model, plan, routers, qconfig)
     return plan
 
@@ -292,6 +327,32 @@ def _report_coverage(model: nn.Module, plan: dict, routers: list[str], qconfig: 
     if skipped:
         warnings.warn(f"qcompile: {len(skipped)} nn.Linear subclasses with a forward of their own stay unquantized "
                       f"({skipped[0]}: {type(model.get_submodule(skipped[0])).__name__})", stacklevel=4)
+    experts = [name for name, m in model.named_modules() if is_experts(m)]
+    if experts:
+        warnings.warn(f"qcompile: {len(experts)} MoE experts modules stay in {next(model.parameters()).dtype} "
+                      f"({experts[0]}, ...): {qconfig.describe()} does not quantize them", stacklevel=4)
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    model.get_submodule(parent).register_module(leaf, new) if parent else setattr(model, leaf, new)
+
+
+def _plan_experts(name: str, module: nn.Module, qconfig: QuantConfig, header: dict,
+                  on_disk: dict[str, set[str]]) -> QuantExperts | None:
+    """The QuantExperts for the HF experts module ``name``, or None when its experts stay in the model
+    dtype (the config leaves them unquantized, or online quantization, which does not cover experts)."""
+    found = locate_experts(name, on_disk)
+    if found is None:
+        return None  # stored fused in the model's own layout (bf16), or not at all: transformers loads it
+    prefix, naming = found
+    lq = qconfig.resolve(prefix, "moe", naming)
+    if lq is None or lq.online:
+        for e in range(module.gate_up_proj.shape[0]):
+            for leaf in naming:
+                _check_unquantized(f"{prefix}.{e}.{leaf}", header, qconfig)
+        return None
+    return QuantExperts.plan(module, name, lq, header, prefix, naming)
 
 
 def _check_unquantized(name: str, header: dict, qconfig: QuantConfig) -> None:
@@ -305,22 +366,24 @@ def _check_unquantized(name: str, header: dict, qconfig: QuantConfig) -> None:
             fix="the quantization config's exclude/ignore list does not match the checkpoint; fix the config")
 
 
-def _check_leftovers(model: nn.Module, plan: dict, header: dict, qconfig: QuantConfig) -> None:
-    """Quantized tensors of modules qcompile does not plan. KV-cache scales are :func:`plan_kv_scales`'s."""
+def _check_leftovers(model: nn.Module, plan: dict, header: dict, qconfig: QuantConfig, covered: tuple[str, ...]
+                     ) -> None:
+    """Quantized tensors of modules qcompile does not plan (``covered``: checkpoint prefixes the planned
+    experts take). KV-cache scales are :func:`plan_kv_scales`'s."""
     unused = []
     for key in header:
         module, _, suffix = key.rpartition(".")
-        if module in plan:
+        if module in plan or key.startswith(covered):
             continue
         if suffix in ATTENTION_SCALES:
             unused.append(key)
             continue
         if suffix in QUANT_SUFFIXES or (suffix == "weight" and header[key][0] in (torch.float8_e4m3fn, torch.uint8)):
-            kind = "fused MoE experts" if ".experts." in key or key.endswith("experts") else "this module type"
             raise UnsupportedError(
-                f"the checkpoint stores quantized tensors for a module qcompile cannot run yet ({key}; {kind})",
-                where=module,
-                fix="quantized MoE experts are not runnable yet: use a dense model, or exclude the experts in the quantization config")
+                f"the checkpoint stores quantized tensors for a module qcompile cannot run ({key}): no Linear or "
+                "experts module of the model holds them", where=module,
+                fix="check that config.json's architecture matches the checkpoint, or exclude the module in the "
+                    "quantization config")
     if unused:
         warnings.warn(f"qcompile: the checkpoint has {len(unused)} attention-quantization scales ({unused[0]}, ...) "
                       "that are not used: attention runs in the model dtype", stacklevel=3)

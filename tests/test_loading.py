@@ -144,10 +144,15 @@ def test_modelopt_and_compressed_tensors_nvfp4_agree(testdata):
     assert ((wa - wb).norm() / wb.norm()) < 0.05
 
 
-def test_quantized_moe_experts_are_refused(testdata):
-    with pytest.raises(qcompile.UnsupportedError) as e:
-        qcompile.load(str(testdata / "modelopt-fp8-moe"))
-    assert "model.layers.0.mlp.experts" in str(e.value)
+def test_quantized_moe_experts_load(testdata):
+    """Quantized MoE experts load as QuantExperts with the stacked fp8 storage (tests/test_experts.py has
+    every producer's MoE checkpoint)."""
+    from qcompile.experts import QuantExperts
+
+    model = qcompile.load(str(testdata / "modelopt-fp8-moe"))
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, QuantExperts) and experts.w13_weight.dtype == torch.float8_e4m3fn
+    assert not any(isinstance(m, QuantLinear) for m in experts.modules())
 
 
 def test_inductor_on_cpu_matches_the_dequantized_reference(testdata):

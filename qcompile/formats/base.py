@@ -59,19 +59,27 @@ class QuantConfig(ABC):
         self.kv_cache = kv_cache
         self._cache: dict[tuple[str, str], LayerQuant | None] = {}
 
-    def resolve(self, module_name: str, kind: ModuleKind = "linear") -> LayerQuant | None:
+    def resolve(self, module_name: str, kind: ModuleKind = "linear",
+                projections: tuple[str, str, str] = EXPERT_PROJECTIONS) -> LayerQuant | None:
         """The quantization of ``module_name`` (an HF module path such as
         ``model.layers.0.self_attn.q_proj``), or ``None`` when the layer stays unquantized
         (excluded, ignored, or matched by no rule). ``kind="moe"`` asks about a fused-experts module
-        (e.g. ``model.layers.0.mlp.experts``). Raises ConfigError for contradictions (e.g. the shards
+        (e.g. ``model.layers.0.mlp.experts``) whose experts the checkpoint names
+        ``<module>.<e>.<projection>`` with ``projections`` (gate, up, down): ``gate_proj / up_proj /
+        down_proj``, Mixtral's ``w1 / w3 / w2``. Raises ConfigError for contradictions (e.g. the shards
         of a fused layer resolving to different schemes)."""
-        key = (module_name, kind)
+        key = (module_name, kind, projections if kind == "moe" else None)
         if key not in self._cache:
-            self._cache[key] = self._resolve(module_name, kind)
+            self._cache[key] = self._resolve_moe(module_name, projections) if kind == "moe" else \
+                self._resolve(module_name, kind)
         return self._cache[key]
 
     @abstractmethod
     def _resolve(self, module_name: str, kind: ModuleKind) -> LayerQuant | None: ...
+
+    def _resolve_moe(self, module_name: str, projections: tuple[str, str, str]) -> LayerQuant | None:
+        """A fused-experts module: by default as its expert 0's projections resolve (:func:`resolve_experts`)."""
+        return resolve_experts(module_name, lambda n: self.resolve(n, "linear"), projections)
 
     def describe(self) -> str:
         return self.format
@@ -218,14 +226,15 @@ def _first_chars(items) -> set[str] | None:
     return None
 
 
-def resolve_experts(name: str, resolve_linear: Callable[[str], LayerQuant | None]) -> LayerQuant | None:
+def resolve_experts(name: str, resolve_linear: Callable[[str], LayerQuant | None],
+                    projections: tuple[str, str, str] = EXPERT_PROJECTIONS) -> LayerQuant | None:
     """``kind="moe"`` through the experts' Linears: every producer saves MoE experts per expert
-    (``experts.<e>.{gate,up,down}_proj``), so ``name`` resolves as expert 0's three projections do
-    (vLLM's ``get_moe_method``; Mixtral-style ``w1`` / ``w2`` / ``w3`` names are not probed). They
-    must agree, as one fused kernel runs them all."""
-    found = {p: resolve_linear(f"{name}.0.{p}") for p in EXPERT_PROJECTIONS}
+    (``experts.<e>.{gate,up,down}_proj``, Mixtral ``experts.<e>.{w1,w3,w2}``: ``projections``), so
+    ``name`` resolves as expert 0's three projections do (vLLM's ``get_moe_method``). They must agree,
+    as one fused kernel runs them all."""
+    found = {p: resolve_linear(f"{name}.0.{p}") for p in projections}
     if len({lq.scheme.key if lq else None for lq in found.values()}) > 1:
         detail = ", ".join(f"{p}: {lq.scheme.key if lq else 'unquantized'}" for p, lq in found.items())
         raise ConfigError(f"the expert projections resolve to different quantization ({detail})", where=name,
-                          fix="give gate_proj, up_proj and down_proj of the experts one scheme (targets / ignore)")
-    return found[EXPERT_PROJECTIONS[0]]
+                          fix=f"give {', '.join(projections)} of the experts one scheme (targets / ignore)")
+    return found[projections[0]]

@@ -54,7 +54,7 @@ from typing import Any
 from ..errors import UnsupportedError
 from ..scheme import (ActSpec, Granularity, KVCacheSpec, LayerQuant, Packing, QDtype, QuantScheme, ScaleDtype,
                       ScaleSpec, TensorSpec, WeightSpec, mx_act)
-from .base import ModuleKind, NamePattern, QuantConfig, need, require_type, resolve_experts, shard_names
+from .base import ModuleKind, NamePattern, QuantConfig, need, require_type, shard_names
 
 ROOT = "quantization_config"
 LINEAR_CLASS = "Linear"  # the class-name target an HF nn.Linear matches (its MRO: Linear, Module)
@@ -125,8 +125,6 @@ class CompressedTensorsConfig(QuantConfig):
         return next((g for p, g in self._regexes if p.matches(name)), None)
 
     def _resolve(self, name: str, kind: ModuleKind) -> LayerQuant | None:
-        if kind == "moe":  # compressed-tensors quantizes Linears only: the experts' projections decide
-            return resolve_experts(name, lambda n: self.resolve(n, "linear"))
         if self.is_ignored(name):
             return None
         group = self._specific(name)

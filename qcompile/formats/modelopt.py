@@ -135,6 +135,11 @@ class ModelOptConfig(QuantConfig):
             return LAYER_QUANTS[self.quant_algo]  # linear layers and fused experts alike
         return self.resolve_fused(name, kind, self._mixed_entry) or self._mixed_parent(name)
 
+    def _resolve_moe(self, name: str, projections: tuple[str, str, str]) -> LayerQuant | None:
+        """One quant_algo covers fused experts as it covers Linears (vLLM's FusedMoE method of the config);
+        the exclude list and MIXED_PRECISION's entries are read for the experts module itself."""
+        return self._resolve(name, "moe")
+
     def _mixed_entry(self, name: str) -> LayerQuant | None:
         algo = self.quantized_layers.get(name)
         return _mixed_lq(algo) if algo else None

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..scheme import LayerQuant, QuantScheme, TensorSpec, fp8_scheme
-from .base import ModuleKind, NamePattern, QuantConfig, need, require_type, resolve_experts, shard_names
+from .base import ModuleKind, NamePattern, QuantConfig, need, require_type, shard_names
 
 ROOT = "quantization_config"
 SCHEMES = ("fp8_per_tensor", "fp8_per_block")
@@ -62,11 +62,12 @@ class OnlineConfig(QuantConfig):
     def _resolve(self, name: str, kind: ModuleKind) -> LayerQuant | None:
         if self.is_ignored(name):
             return None
-        if kind == "moe":
-            return resolve_experts(name, lambda n: self.resolve(n, "linear"))
         if shard_names(name):
             return self.resolve_fused(name, kind, lambda n: None if n == name else self.resolve(n, "linear"))
         return self.layer
+
+    def _resolve_moe(self, name: str, projections: tuple[str, str, str]) -> LayerQuant | None:
+        return None if self.is_ignored(name) else super()._resolve_moe(name, projections)
 
 
 def parse(config: dict[str, Any]) -> OnlineConfig:

@@ -50,7 +50,7 @@ from typing import Any
 from ..errors import UnsupportedError
 from ..scheme import (ActSpec, Granularity, KVCacheSpec, LayerQuant, Packing, QDtype, QuantScheme,
                       ScaleDtype, ScaleSpec, TensorSpec, WeightSpec, mx_act)
-from .base import ModuleKind, NamePattern, QuantConfig, need, require_type, resolve_experts, shard_names
+from .base import ModuleKind, NamePattern, QuantConfig, need, require_type, shard_names
 
 ROOT = "quantization_config"
 DTYPES = {"fp8_e4m3": QDtype.FP8_E4M3, "int8": QDtype.INT8, "fp4": QDtype.FP4_E2M1,
@@ -87,8 +87,6 @@ class QuarkConfig(QuantConfig):
         return any(p.matches(name) for p in self.exclude)
 
     def _resolve(self, name: str, kind: ModuleKind) -> LayerQuant | None:
-        if kind == "moe":  # Quark quantizes Linears only: the experts' projections decide
-            return resolve_experts(name, lambda n: self.resolve(n, "linear"))
         if self.is_excluded(name):
             return None
         for pattern, lq in self.entries:

@@ -241,6 +241,44 @@ def _take_columns(weight: torch.Tensor, cols: torch.Tensor, spec: WeightSpec, k:
     return out
 
 
+def minifloat_values(dtype: QDtype) -> torch.Tensor:
+    """The value of every code of an OCP minifloat (fp4 / fp6), fp32 [2^bits]: sign in the top bit, then
+    the biased exponent, then the mantissa; exponent 0 is subnormal (no implicit 1)."""
+    ebits, man, bias, _ = MINIFLOATS[dtype]
+    codes = torch.arange(1 << (1 + ebits + man))
+    exp, frac = (codes >> man) & ((1 << ebits) - 1), (codes & ((1 << man) - 1)).float() / (1 << man)
+    mag = torch.where(exp == 0, frac * 2.0 ** (1 - bias), (1 + frac) * torch.exp2(exp.float() - bias))
+    return torch.where(codes >> (ebits + man) == 1, -mag, mag)
+
+
+def minifloat_codes(v: torch.Tensor, dtype: QDtype) -> torch.Tensor:
+    """fp32 values -> codes (uint8) of the nearest minifloat value (:func:`round_to_minifloat`); the sign
+    of a value that rounds to zero is kept (-0 has the sign bit)."""
+    ebits, man, bias, _ = MINIFLOATS[dtype]
+    a = round_to_minifloat(v, dtype).abs()
+    exp = torch.floor(torch.log2(a.clamp(min=2.0 ** -30))) + bias
+    sub = exp < 1
+    frac = torch.where(sub, a / 2.0 ** (1 - bias), a / torch.exp2(exp - bias) - 1)
+    code = torch.where(sub, 0, exp.clamp(min=0)).long() << man | torch.round(frac * (1 << man)).long()
+    return (code | (torch.signbit(v).long() << (ebits + man))).to(torch.uint8)
+
+
+def unpack_fp6(packed: torch.Tensor, dtype: QDtype) -> torch.Tensor:
+    """Four 6-bit codes in three bytes, element i of a group at bits 6i..6i+5 of the little-endian 24-bit
+    word (Quark's fp6 packing): [N, 3K/4] uint8 -> fp32 values [N, K]."""
+    b = packed.reshape(packed.shape[0], -1, 3).to(torch.int32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    codes = torch.stack([(word >> (6 * i)) & 0x3F for i in range(4)], dim=-1).reshape(packed.shape[0], -1)
+    return minifloat_values(dtype).to(packed.device)[codes.long()]
+
+
+def pack_fp6(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of the code step of :func:`unpack_fp6`: 6-bit codes [N, K] (K % 4 == 0) -> [N, 3K/4] uint8."""
+    c = codes.to(torch.int32).reshape(codes.shape[0], -1, 4)
+    word = c[..., 0] | (c[..., 1] << 6) | (c[..., 2] << 12) | (c[..., 3] << 18)
+    return torch.stack([(word >> s) & 0xFF for s in (0, 8, 16)], dim=-1).reshape(codes.shape[0], -1).to(torch.uint8)
+
+
 def decode_weight_codes(weight: torch.Tensor, spec: WeightSpec, k: int) -> torch.Tensor:
     """Element values (before scales) of a stored weight, fp32 [N, K]."""
     if spec.tiled:
@@ -249,6 +287,8 @@ def decode_weight_codes(weight: torch.Tensor, spec: WeightSpec, k: int) -> torch
         return unpack_int32(weight, spec.dtype.bits, k).float()
     if spec.packing is Packing.UINT8 and spec.dtype is QDtype.FP4_E2M1:
         return unpack_e2m1(weight)
+    if spec.packing is Packing.UINT8_FP6 and spec.dtype in (QDtype.FP6_E2M3, QDtype.FP6_E3M2):
+        return unpack_fp6(weight, spec.dtype)
     if spec.packing is Packing.NONE:
         return weight.float()
     raise NotImplementedError(f"reference decoding of {spec.dtype.value} weights packed as {spec.packing.value}")
@@ -284,9 +324,25 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, spec: WeightSpe
     return w
 
 
+INT8_MIN, INT8_MAX = -128.0, 127.0
+
+
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Saturating round-half-even(x / scale) -> int8, as vLLM's ``scaled_int8_quant``."""
+    return torch.round(x.float() / scale).clamp(INT8_MIN, INT8_MAX).to(torch.int8)
+
+
 def quantize_activation(x: torch.Tensor, act: ActSpec, input_scale: torch.Tensor | None = None):
-    """FP8-quantize x [M, K] as ``act`` says. Returns (q fp8 [M, K], scale broadcastable to the
-    per-element scale: [] / [M, 1] / [M, K//g])."""
+    """FP8- or INT8-quantize x [M, K] as ``act`` says (symmetric). Returns (q fp8 / int8 [M, K], scale
+    broadcastable to the per-element scale: [] / [M, 1] / [M, K//g]). A dynamic int8 scale is amax / 127."""
+    if act.dtype is QDtype.INT8:
+        if act.dynamic:
+            amax = x.float().abs().amax() if act.scale.granularity is Granularity.TENSOR else \
+                x.float().abs().amax(dim=-1, keepdim=True)
+            scale = (amax / torch.full_like(amax, INT8_MAX)).clamp(min=MIN_SCALE)
+        else:
+            scale = input_scale.float().reshape(())
+        return quantize_int8(x, scale), scale
     if act.dtype is not QDtype.FP8_E4M3:
         raise NotImplementedError(f"reference quantization of {act.dtype.value} activations")
     if act.dynamic:
@@ -366,11 +422,12 @@ def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, act: ActSpec) ->
 
 
 def requantize_to_max_scale(weights: list[torch.Tensor], scales: list[torch.Tensor]):
-    """Several FP8 shards with per-tensor scales that run as one matmul (fused qkv / gate_up, or the
-    experts' gate and up): dequantize each and requantize with the largest scale, as the reference
-    does. Returns (fp8 [sum N_i, K], fp32 scalar scale)."""
+    """Several FP8 (or INT8) shards with per-tensor scales that run as one matmul (fused qkv / gate_up,
+    or the experts' gate and up): dequantize each and requantize with the largest scale, as the
+    reference does. Returns (codes [sum N_i, K] in the shards' dtype, fp32 scalar scale)."""
     max_scale = torch.stack([s.float().reshape(()) for s in scales]).max()
-    parts = [quantize_fp8(w.float() * s.float().reshape(()), max_scale) for w, s in zip(weights, scales)]
+    quantize = quantize_int8 if weights[0].dtype == torch.int8 else quantize_fp8
+    parts = [quantize(w.float() * s.float().reshape(()), max_scale) for w, s in zip(weights, scales)]
     return torch.cat(parts, dim=0), max_scale
 
 
@@ -415,7 +472,7 @@ def reference_linear(x2: torch.Tensor, spec, weight: torch.Tensor, weight_scale,
                      weight_zero_point=None, weight_g_idx=None, input_scale=None, input_global_scale=None,
                      bias=None) -> torch.Tensor:
     """The quantized linear's math in fp32: ``qdq(x2) @ dequantize(weight).T + bias`` for x2 [M, K] and
-    a QuantScheme ``spec``. Returns fp32 [M, N]; callers cast. Shared by the reference op and the
+    a QuantScheme ``spec``. Returns fp32 [M, N]; callers cast. Shared by the reference ops and the
     kernels' emulated backends, so there is one definition of what every kernel must compute."""
     k = x2.shape[-1]
     w = dequantize_weight(weight, weight_scale, spec.weight, weight_global_scale, weight_zero_point, weight_g_idx,

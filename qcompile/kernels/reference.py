@@ -30,15 +30,17 @@ def reference_supports(scheme) -> str | None:
     w, a = scheme.weight, scheme.act
     decodable = (w.packing is Packing.NONE and w.dtype in (QDtype.FP8_E4M3, QDtype.INT8, QDtype.INT4)) or \
         (w.packing is Packing.INT32 and w.dtype in (QDtype.INT4, QDtype.INT8)) or \
-        (w.packing is Packing.UINT8 and w.dtype is QDtype.FP4_E2M1)
+        (w.packing is Packing.UINT8 and w.dtype is QDtype.FP4_E2M1) or \
+        (w.packing is Packing.UINT8_FP6 and w.dtype in (QDtype.FP6_E2M3, QDtype.FP6_E3M2))
     if not decodable:
         return f"{w.dtype.value} weights packed as {w.packing.value} are not runnable yet"
     if a is None:
         return None
     if not a.symmetric:
         return "asymmetric activation quantization is not runnable"
-    if a.dtype is QDtype.FP8_E4M3 and a.scale.dtype is ScaleDtype.FP32 and w.dtype is QDtype.FP8_E4M3:
-        return None
+    if a.dtype in (QDtype.FP8_E4M3, QDtype.INT8) and a.scale.dtype is ScaleDtype.FP32 and \
+            (a.dtype is QDtype.FP8_E4M3 or a.scale.granularity in (Granularity.TENSOR, Granularity.TOKEN)):
+        return None  # FP8 (any weight: emulated) or INT8 per tensor / token activations
     if a.dtype is QDtype.FP4_E2M1 and a.global_scale:  # NVFP4 W4A4 (emulated: quantize-dequantize)
         return None
     if a.scale.dtype is ScaleDtype.E8M0 and a.dynamic and a.scale.granularity is Granularity.GROUP:

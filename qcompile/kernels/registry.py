@@ -5,9 +5,12 @@ a priority, and a ``check`` that answers ``None`` (can run) or a reason (cannot)
 applies an explicit override, then priority, and returns every rejected kernel's reason so the
 explain table can say why a faster kernel was not used.
 
-Kernel ops share the reference op's argument names (``x, weight, weight_scale, ...``) plus
-``scheme: str`` and ``backend: str``; the lowering pass fills them by name from the op schema, so a
-new kernel needs no lowering code of its own.
+Kernels come in op families, their ``kind``: ``"linear"`` (one quantized matmul, reference
+``qcompile::linear_ref``) and ``"experts"`` (a layer of routed MoE experts, reference
+``qcompile::experts_ref``). :func:`select` considers only the kernels of the query's kind. Kernel ops
+share their family's reference-op argument names (``x, weight, weight_scale, ...``; ``hidden_states,
+top_k_index, w13_weight, ...``) plus ``scheme: str`` and ``backend: str``; the lowering passes fill
+them by name from the op schema, so a new kernel needs no lowering code of its own.
 """
 
 from __future__ import annotations
@@ -23,9 +26,14 @@ from ..errors import UnsupportedError
 from ..scheme import QuantScheme
 
 
+KINDS = ("linear", "experts")
+
+
 @dataclass(frozen=True)
 class KernelQuery:
-    """What a kernel is asked to run."""
+    """What a kernel is asked to run. For ``kind="experts"``, ``n`` / ``k`` are the fused gate + up
+    projection's [2I, H] (the down projection is [H, I]), with ``num_experts`` (E), ``top_k`` and the
+    number of ``tokens`` when the graph knows it (None when dynamic)."""
 
     scheme: QuantScheme
     device: str  # "cpu" | "cuda" | ...
@@ -33,6 +41,10 @@ class KernelQuery:
     n: int  # out_features
     k: int  # in_features
     act_dtype: torch.dtype = torch.bfloat16
+    kind: str = "linear"
+    num_experts: int = 0
+    top_k: int = 0
+    tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,7 @@ class Kernel:
     # What the kernel computes: None when it runs ``scheme``'s math, else why not. A kernel that computes
     # something else is not a faster kernel passed over, so the explain table leaves it out.
     computes: Callable[[QuantScheme], str | None] | None = None
+    kind: str = "linear"  # the op family (KINDS)
 
     def reason_not(self, q: KernelQuery) -> str | None:
         why = self.computes(q.scheme) if self.computes else None
@@ -59,19 +72,22 @@ class Kernel:
         return act_dtype_reason(q, self.act_dtypes) or self.check(q)
 
 
-_KERNELS: dict[str, Kernel] = {}
+_KERNELS: dict[tuple[str, str], Kernel] = {}  # (kind, name) -> kernel: a name is unique within its kind
 
 
 def register(kernel: Kernel) -> Kernel:
-    if kernel.name in _KERNELS:
-        raise AssertionError(f"kernel {kernel.name} registered twice")
-    _KERNELS[kernel.name] = kernel
+    if kernel.kind not in KINDS:
+        raise AssertionError(f"kernel {kernel.name} has unknown kind {kernel.kind!r}")
+    if (kernel.kind, kernel.name) in _KERNELS:
+        raise AssertionError(f"kernel {kernel.name} ({kernel.kind}) registered twice")
+    _KERNELS[kernel.kind, kernel.name] = kernel
     return kernel
 
 
-def kernels() -> list[Kernel]:
+def kernels(kind: str | None = None) -> list[Kernel]:
+    """The registered kernels of ``kind`` (all kinds: None), best priority first."""
     _load_builtin()
-    return sorted(_KERNELS.values(), key=lambda k: -k.priority)
+    return sorted((k for k in _KERNELS.values() if kind is None or k.kind == kind), key=lambda k: -k.priority)
 
 
 _AVAILABLE: dict[str, bool] = {}
@@ -94,22 +110,24 @@ class Selection:
 
 
 def select(q: KernelQuery, override: str | dict[str, str] | None = None, module: str = "") -> Selection:
-    """Pick the kernel for ``q``. ``override``: a kernel name for every layer, or
-    ``{module glob: kernel name}``. An override that cannot run is an error, never a silent fallback."""
-    forced = _override_for(override, module)
+    """Pick the kernel for ``q`` among the kernels of its kind. ``override``: a kernel name for every
+    layer whose kind has a kernel of that name, or ``{module glob: kernel name}``. An override that
+    cannot run is an error, never a silent fallback."""
+    candidates = kernels(q.kind)
+    forced = _override_for(override, module, q.kind)
     if forced is not None:
-        kernel = {k.name: k for k in kernels()}.get(forced)
+        kernel = {k.name: k for k in candidates}.get(forced)
         if kernel is None:
-            raise UnsupportedError(f"kernel override {forced!r} names no kernel",
+            raise UnsupportedError(f"kernel override {forced!r} names no {q.kind} kernel",
                                    where=module or "options.kernels",
-                                   fix=f"use one of {[k.name for k in kernels()]}")
+                                   fix=f"use one of {[k.name for k in candidates]} for {q.kind} layers")
         why = kernel.reason_not(q)
         if why:
             raise UnsupportedError(f"kernel override {forced!r} cannot run {q.scheme.key} here: {why}",
                                    where=module or "options.kernels", fix="drop the override or pick another kernel")
         return Selection(kernel, [])
     rejected, unrelated = [], []
-    for kernel in kernels():
+    for kernel in candidates:
         if kernel.computes and kernel.computes(q.scheme):
             unrelated.append((kernel.name, kernel.computes(q.scheme)))
             continue
@@ -119,17 +137,25 @@ def select(q: KernelQuery, override: str | dict[str, str] | None = None, module:
         rejected.append((kernel.name, why))
     detail = "; ".join(f"{n}: {r}" for n, r in rejected + unrelated)
     raise UnsupportedError(
-        f"no kernel runs {q.scheme.key} on {q.device} (N={q.n}, K={q.k}): {detail}",
+        f"no {q.kind} kernel runs {q.scheme.key} on {q.device} (N={q.n}, K={q.k}): {detail}",
         where=module or "kernel selection",
         fix="this format is parsed but not runnable yet; see docs/formats.md for what runs today",
     )
 
 
-def _override_for(override, module: str) -> str | None:
+def _override_for(override, module: str, kind: str) -> str | None:
+    """The kernel name ``override`` forces on ``module``: a plain name applies to every layer of a kind
+    that has a kernel of that name (an error when no kind has one); a ``{glob: name}`` entry to the
+    modules it matches."""
     if override is None:
         return None
     if isinstance(override, str):
-        return override
+        if any(k.name == override for k in kernels(kind)):
+            return override
+        if any(k.name == override for k in kernels()):
+            return None  # a kernel of another family: leaves this layer alone
+        raise UnsupportedError(f"kernel override {override!r} names no kernel", where="options.kernels",
+                               fix=f"use one of {sorted({k.name for k in kernels()})}")
     for pattern, name in override.items():
         if fnmatch.fnmatchcase(module, pattern):
             return name
@@ -175,6 +201,7 @@ def _load_builtin():
         return
     _LOADED = True
     from . import reference  # noqa: F401  (registers the reference kernel)
+    from . import experts_ref  # noqa: F401  (the experts reference kernel)
     from . import fp8  # noqa: F401
     from . import wo_gemm  # noqa: F401
     from . import nvfp4  # noqa: F401

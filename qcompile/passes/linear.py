@@ -15,10 +15,7 @@ Every matched layer gets an :class:`ExplainRow` (module, scheme, op, kernel, why
 
 from __future__ import annotations
 
-import logging
-import re
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,60 +23,14 @@ from torch import fx
 
 from ..formats import QuantConfig
 from ..kernels import quant_math
+from ..kernels.registry import KernelQuery, cuda_capability
 from ..modules import is_router
-from ..kernels.registry import KernelQuery, Selection, cuda_capability, select
 from ..scheme import Granularity, parse_scheme_key
-
-log = logging.getLogger("qcompile")
+from .lowering import ExplainRow, bind, example, lower_node, module_of, op_of, source_name  # noqa: F401
 
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
 ADDMM_TARGETS = (torch.addmm, torch.ops.aten.addmm.default)  # transformers' Conv1D: addmm(bias, x, W [in, out])
-
-
-@dataclass
-class ExplainRow:
-    module: str
-    scheme: str
-    op: str
-    kernel: str
-    reason: str = ""
-
-
-def _ref_targets():
-    return (torch.ops.qcompile.linear_ref.default, torch.ops.qcompile.linear_ref)
-
-
-def source_name(node: fx.Node) -> str:
-    """``model.layers.0.mlp.up_proj.weight`` for a parameter placeholder (from Dynamo's source)."""
-    ga = node.meta.get("grapharg")
-    text = getattr(ga, "source", None)
-    text = getattr(text, "name", None)
-    text = text() if callable(text) else text
-    if not text:
-        return node.name
-    # L['self']._modules['model']._modules['layers']._modules['0']...._parameters['weight'], or with the
-    # module reaching the frame as an argument, L['args'][0]._modules['model']... (transformers 5.24)
-    parts = [a or b or c for a, b, c in re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)", text)]
-    marks = ("_modules", "_parameters", "_buffers")
-    start = next((i for i, p in enumerate(parts) if p in marks), 1)  # past the root (L['self'], L['args'][0])
-    parts = [p for p in parts[start:] if p not in marks]
-    return ".".join(parts) or text
-
-
-def module_of(node: fx.Node) -> str:
-    return source_name(node).rpartition(".")[0]
-
-
-def _bind(node: fx.Node, op) -> dict:
-    names = [a.name for a in op._schema.arguments]
-    bound = dict(zip(names, node.args))
-    bound.update(node.kwargs)
-    return bound
-
-
-def _value(node_or_const):
-    return node_or_const.meta.get("example_value", node_or_const.meta.get("val")) \
-        if isinstance(node_or_const, fx.Node) else node_or_const
+REFERENCE = "qcompile::linear_ref"
 
 
 def _query(scheme_key: str, x, weight_shape) -> KernelQuery:
@@ -91,8 +42,7 @@ def _query(scheme_key: str, x, weight_shape) -> KernelQuery:
 
 def _weight_only(op_name: str) -> bool:
     """A kernel op without activation-scale arguments runs the matmul on unquantized activations."""
-    ns, name = op_name.split("::")
-    args = {a.name for a in getattr(getattr(torch.ops, ns), name).default._schema.arguments}
+    args = {a.name for a in op_of(op_name)._schema.arguments}
     return not args & {"input_scale", "input_global_scale"}
 
 
@@ -111,23 +61,6 @@ def _warn_weight_only(query: KernelQuery, kernel: str) -> None:
                   "kernels='reference' (the eager model is always faithful).", stacklevel=2)
 
 
-def _emit(graph: fx.Graph, node: fx.Node, args: dict, sel: Selection, scheme_key: str) -> fx.Node:
-    ns, name = sel.kernel.op.split("::")
-    op = getattr(getattr(torch.ops, ns), name).default
-    kwargs = {}
-    for a in op._schema.arguments:
-        if a.name == "scheme":
-            kwargs[a.name] = scheme_key
-        elif a.name == "backend":
-            kwargs[a.name] = sel.kernel.backend
-        else:
-            kwargs[a.name] = args.get(a.name)
-    with graph.inserting_before(node):
-        new = graph.call_function(op, kwargs=kwargs)
-    new.meta.update(node.meta)
-    return new
-
-
 def lower_linears(gm: fx.GraphModule, example_inputs, kernels=None, online: QuantConfig | None = None
                   ) -> list[ExplainRow]:
     """Rewrite ``gm`` in place; return one row per matched layer."""
@@ -135,39 +68,30 @@ def lower_linears(gm: fx.GraphModule, example_inputs, kernels=None, online: Quan
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     real = {n: t for n, t in zip(placeholders, example_inputs)}
-    ref_op = torch.ops.qcompile.linear_ref.default
+    ref_op = op_of(REFERENCE)
     n_online = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target in _ref_targets():
-            args = _bind(node, ref_op)
-            scheme_key, x, w = args["scheme"], _value(args["x"]), _value(args["weight"])
-            module = module_of(args["weight"]) if isinstance(args["weight"], fx.Node) else "?"
+        if node.target in (ref_op, ref_op.overloadpacket):
+            args = bind(node, ref_op)
+            x, w = example(args["x"]), example(args["weight"])
+            module = module_of(args["weight"])
         elif online is not None and node.target in LINEAR_TARGETS + ADDMM_TARGETS:
             args = _online_args(gm, node, online, real, rows, n_online)
             if args is None:
                 continue
             n_online += 1
-            scheme_key, x, w = args.pop("scheme"), _value(args["x"]), args.pop("_weight_shape")
+            x, w = example(args["x"]), args.pop("_weight_shape")
             module = args.pop("_module")
         else:
             continue
-        wshape = w.shape if hasattr(w, "shape") else w
-        query = _query(scheme_key, x, wshape)
-        sel = select(query, kernels, module)
-        row = ExplainRow(module, scheme_key, sel.kernel.op, sel.kernel.name, sel.reason)
+        query = _query(args["scheme"], x, w.shape if hasattr(w, "shape") else w)
+        row, sel = lower_node(graph, node, args, query, module, kernels, REFERENCE)
         if query.scheme.act is not None and _weight_only(sel.kernel.op):
             row.reason = "; ".join(filter(None, [row.reason, "activations not quantized (weight-only kernel)"]))
             _warn_weight_only(query, sel.kernel.name)
         rows.append(row)
-        if sel.kernel.op == "qcompile::linear_ref" and node.target in _ref_targets():
-            continue  # already the reference
-        new = _emit(graph, node, args, sel, scheme_key)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        log.info("qcompile: %s [%s] -> %s (%s)%s", module, scheme_key, sel.kernel.op, sel.kernel.name,
-                 f"; passed over {sel.reason}" if sel.reason else "")
     graph.lint()
     gm.recompile()
     return rows

@@ -70,13 +70,70 @@ def test_reference_matches_independent_math(name):
 
 
 def test_reference_refuses_formats_without_kernels():
-    from qcompile.scheme import MXFP4_WEIGHT, Packing, QDtype, WeightSpec, mx_act
-    fp6 = WeightSpec(QDtype.FP6_E2M3, MXFP4_WEIGHT.scale, Packing.UINT8_FP6)  # Quark MXFP6 weights
-    scheme = QuantScheme(fp6, mx_act(QDtype.FP6_E2M3))
+    from qcompile.scheme import ActSpec, QDtype, ScaleSpec
+    asym = QuantScheme(fp8_scheme("channel", None).weight,
+                       ActSpec(QDtype.INT8, True, ScaleSpec(Granularity.TOKEN), symmetric=False))
     x = torch.randn(2, 32, dtype=torch.bfloat16)
-    with pytest.raises(UnsupportedError, match="fp6_e2m3 weights packed as uint8_fp6"):
-        torch.ops.qcompile.linear_ref(x, torch.zeros(16, 24, dtype=torch.uint8), torch.zeros(16, 1, dtype=torch.uint8),
-                                      None, None, None, None, None, None, scheme.key)
+    with pytest.raises(UnsupportedError, match="asymmetric activation"):
+        torch.ops.qcompile.linear_ref(x, torch.zeros(16, 32, dtype=torch.float8_e4m3fn), torch.ones(16), None, None,
+                                      None, None, None, None, asym.key)
+
+
+@pytest.mark.parametrize("dtype", ["fp6_e2m3", "fp6_e3m2", "fp4_e2m1"])
+def test_minifloat_codes_round_trip(dtype):
+    """Every code decodes to its value and encodes back (the two signed zeros included); fp6 packs four
+    codes in three bytes, element i at bits 6i of the little-endian word (Quark's layout)."""
+    from qcompile.scheme import QDtype
+    qd = QDtype(dtype)
+    values = quant_math.minifloat_values(qd)
+    codes = torch.arange(len(values), dtype=torch.uint8)
+    assert torch.equal(quant_math.minifloat_codes(values, qd), codes)
+    if qd is QDtype.FP4_E2M1:
+        assert values.tolist() == list(quant_math.E2M1_VALUES)
+        return
+    assert values.abs().max() == qd.max and values[1] == 2.0 ** (-3 if dtype == "fp6_e2m3" else -4)
+    row = codes.reshape(1, -1)
+    packed = quant_math.pack_fp6(row)
+    assert packed.shape == (1, 48) and packed[0, :3].tolist() == [0 | 1 << 6, 1 >> 2 | 2 << 4, 3 << 2]
+    torch.testing.assert_close(quant_math.unpack_fp6(packed, qd), values.reshape(1, -1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("wdtype", ["fp6_e2m3", "fp6_e3m2"])
+def test_mxfp6_linear_matches_independent_math(wdtype):
+    """Quark MXFP6 weights with MXFP6 activations through the reference: weights decode to code values
+    times 2^(e - 127), activations are MX quantize-dequantized."""
+    from qcompile.scheme import MXFP4_WEIGHT, Packing, QDtype, WeightSpec, mx_act
+    qd = QDtype(wdtype)
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 64, (16, 64), generator=g, dtype=torch.uint8)
+    exps = torch.randint(120, 130, (16, 2), generator=g, dtype=torch.uint8)
+    spec = WeightSpec(qd, MXFP4_WEIGHT.scale, Packing.UINT8_FP6)
+    scheme = QuantScheme(spec, mx_act(qd))
+    x = torch.randn(3, 64, generator=g, dtype=torch.bfloat16)
+    out = torch.ops.qcompile.linear_ref(x, quant_math.pack_fp6(codes), exps, None, None, None, None, None, None,
+                                        scheme.key)
+    w = quant_math.minifloat_values(qd)[codes.long()] * torch.exp2(exps.float() - 127).repeat_interleave(32, 1)
+    want = quant_math.qdq_mx_activation(x.float(), qd) @ w.t()
+    torch.testing.assert_close(out.float(), want, rtol=1.6e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("act", ["dynamic_token", "dynamic_tensor", "static_tensor"])
+def test_int8_activations(act):
+    """W8A8-INT8 through the reference: x rounded half-even to int8 steps of amax / 127 (per token or per
+    tensor), or of the static scale, saturating at [-128, 127]."""
+    from qcompile.scheme import ActSpec, QDtype, ScaleSpec, WeightSpec
+    gran = Granularity.TOKEN if act == "dynamic_token" else Granularity.TENSOR
+    scheme = QuantScheme(WeightSpec(QDtype.INT8, ScaleSpec(Granularity.CHANNEL)),
+                         ActSpec(QDtype.INT8, act != "static_tensor", ScaleSpec(gran)))
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-127, 128, (32, 64), generator=g, dtype=torch.int8)
+    s = torch.rand(32, generator=g) * 0.01 + 1e-3
+    x = torch.randn(4, 64, generator=g)
+    xs = torch.tensor(0.02) if act == "static_tensor" else None
+    out = torch.ops.qcompile.linear_ref(x, q, s, None, None, None, xs, None, None, scheme.key)
+    sx = xs if xs is not None else (x.abs().amax(-1, keepdim=True) if gran is Granularity.TOKEN else x.abs().amax()) / 127
+    want = (torch.round(x / sx).clamp(-128, 127) * sx) @ (q.float() * s[:, None]).t()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 def test_nvfp4_activation_qdq():

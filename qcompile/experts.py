@@ -1,0 +1,418 @@
+"""``QuantExperts``: the module that replaces a transformers experts module whose checkpoint is quantized.
+
+transformers 5 holds a MoE layer's experts fused: ``gate_up_proj`` [E, 2I, H] (gate rows then up rows;
+gpt-oss: [E, H, 2I] with gate and up interleaved) and ``down_proj`` [E, H, I] ([E, I, H]). Every producer
+saves them per expert, ``experts.<e>.{gate,up,down}_proj.*`` (Mixtral ``experts.<e>.w1 / w3 / w2``).
+A QuantExperts keeps the quantized tensors stacked over experts in canonical form (on-disk dtypes: fp8
+stays fp8, packed stays packed), the gate and up projection fused as ``w13_*`` and the down projection
+as ``w2_*`` (the layout of :mod:`qcompile.kernels.experts_ref`):
+
+=====================  =====================================================================
+weight codes           ``w13_weight`` [E, 2I, K'] (gate rows, then up rows), ``w2_weight`` [E, H, I']
+per-tensor scales      [E]: gate and up merged to their max, the other shard requantized (as vLLM)
+channel / group /      [E, N] / [E, N, K/g] / [E, N/bn, K/bk]: gate's and up's concatenated
+block scales
+global weight scales   [E] (NVFP4): gate's; a different up one is warned about and not used (as vLLM)
+static input scales    0-d fp32: the max over experts and shards (as vLLM)
+act-order g_idx        [E, K]; gate and up must agree
+=====================  =====================================================================
+
+Life cycle (driven by :mod:`qcompile.loading`), as :class:`~qcompile.linear.QuantLinear`'s:
+
+1. :meth:`QuantExperts.plan`: each expert's projections are planned from the safetensors headers by
+   :meth:`QuantLinear.plan` itself (presence, dtype, shape of every tensor, errors naming the expert and
+   tensor), as :class:`ExpertSlot` holders under the per-expert names transformers loads
+   (``experts.<e>.gate_proj.weight``); transformers' own gate/up merge is switched off for these modules.
+2. transformers sets each tensor on its slot; the slot hands it over at once
+   (:meth:`QuantExperts.receive`): converted by the slot's ``_to_canonical`` and copied into its place
+   in the stacked tensor, so a load holds the stacked weights plus the tensor in flight, never a second
+   copy of a layer.
+3. :meth:`QuantExperts.finalize`: every expected tensor arrived; per-shard scalars merged as above.
+4. :meth:`QuantExperts.disk_tensors` (``save_pretrained``): the per-expert checkpoint tensors back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError, UnsupportedError
+from .kernels import experts_ref  # noqa: F401  (registers the op)
+from .kernels.experts_ref import ROLES, expert_slice
+from .linear import FLOATS, QuantLinear, _param, release_memory
+from .kernels import quant_math
+from .scheme import Granularity, LayerQuant, canonical_shape, parse_scheme_key
+
+log = logging.getLogger("qcompile")
+
+# On-disk projection names of one expert: (gate, up, down).
+NAMINGS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+SHARDS = (("w13", 0), ("w13", 1), ("w2", 0))  # (fused group, shard) of gate, up, down
+# transformers' activation modules -> experts_ref activation names
+ACTIVATIONS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUActivation": "gelu", "GELUTanh": "gelu_tanh",
+               "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh", "GELU": "gelu"}
+
+
+# -- the HF experts module --------------------------------------------------------------------------
+
+def is_experts(module: nn.Module) -> bool:
+    """A transformers fused-experts module: 3-D ``gate_up_proj`` and ``down_proj`` parameters."""
+    params = module._parameters
+    return all(isinstance(params.get(p), nn.Parameter) and params[p].dim() == 3 for p in ("gate_up_proj", "down_proj"))
+
+
+@dataclass(frozen=True)
+class ExpertsShape:
+    """An HF experts module's dimensions and layout. ``transposed``: gate_up_proj is [E, H, 2I] and
+    down_proj [E, I, H] (gpt-oss); ``interleaved``: gate and up alternate along 2I (gpt-oss)."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    transposed: bool
+    interleaved: bool
+    has_bias: bool
+    activation: str
+
+    @classmethod
+    def of(cls, module: nn.Module, name: str) -> "ExpertsShape":
+        gate_up, down = module.gate_up_proj, module.down_proj
+        transposed = bool(getattr(module, "is_transposed", gate_up.shape[2] == down.shape[1] * 2
+                                  and gate_up.shape[1] == down.shape[2] and gate_up.shape[2] != down.shape[1]))
+        e, h, two_i = (gate_up.shape[0], gate_up.shape[1], gate_up.shape[2]) if transposed else \
+            (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1])
+        want_down = (e, two_i // 2, h) if transposed else (e, h, two_i // 2)
+        if two_i % 2 or tuple(down.shape) != want_down:
+            raise UnsupportedError(f"experts module with gate_up_proj {list(gate_up.shape)} and down_proj "
+                                   f"{list(down.shape)}: not a gated [E, 2I, H] / [E, H, I] pair", where=name,
+                                   fix="only gated experts (gate and up fused) are supported")
+        interleaved = not getattr(module, "is_concatenated", True)
+        has_bias = isinstance(getattr(module, "gate_up_proj_bias", None), nn.Parameter)
+        return cls(e, h, two_i // 2, transposed, interleaved, has_bias, _activation(module, name))
+
+
+def _activation(module: nn.Module, name: str) -> str:
+    if hasattr(module, "alpha") and hasattr(module, "limit"):  # gpt-oss's clamped swiglu (_apply_gate)
+        return f"swigluoai:{float(module.alpha)}:{float(module.limit)}"
+    act = getattr(module, "act_fn", None)
+    kind = ACTIVATIONS.get(type(act).__name__)
+    if kind == "gelu" and getattr(act, "approximate", "none") == "tanh":
+        kind = "gelu_tanh"
+    if kind is None:
+        raise UnsupportedError(f"experts activation {type(act).__name__} is not supported", where=name,
+                               fix=f"quantized experts run {sorted(set(ACTIVATIONS.values()))} gated activations")
+    return kind
+
+
+# -- the per-expert holders -------------------------------------------------------------------------
+
+class ExpertSlot(QuantLinear):
+    """One projection of one expert while loading: planned and converted by QuantLinear's own code; a
+    tensor transformers sets on it goes straight to its QuantExperts (:meth:`QuantExperts.receive`)."""
+
+    owner = None  # the QuantExperts (a plain attribute: not a submodule)
+    expert, group, shard = 0, "w13", 0
+
+    def __setattr__(self, name, value):
+        owner = self.__dict__.get("owner")
+        if owner is not None and isinstance(value, torch.Tensor) and value.device.type != "meta":
+            owner.receive(self, name, value.data)
+            return
+        super().__setattr__(name, value)
+
+
+def _meta_linear(n: int, k: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
+    return nn.Linear(k, n, bias=bias, device="meta", dtype=dtype)
+
+
+# -- the module -------------------------------------------------------------------------------------
+
+class QuantExperts(nn.Module):
+    def __init__(self, name: str, lq: LayerQuant, shape: ExpertsShape, disk_prefix: str, naming: tuple[str, ...],
+                 dtype: torch.dtype):
+        super().__init__()
+        self.name, self.lq, self.shape, self.disk_prefix, self.naming = name, lq, shape, disk_prefix, naming
+        self.scheme_key = lq.scheme.key
+        self.activation = shape.activation
+        self.dtype = dtype
+        self.num_experts, self.hidden_dim, self.intermediate_dim = shape.num_experts, shape.hidden, shape.intermediate
+        self.finalized = False
+        self.requantized: list[int] = []  # experts whose gate / up shard was requantized to a shared scale
+        self.__dict__["slots"] = []  # every ExpertSlot, kept after loading for saving
+        self.__dict__["per_shard"] = {}  # (group, role) -> [E, shards, ...] scalars / g_idx as loaded
+        self.__dict__["stack"] = {}  # (group, role) -> the stacked tensor being filled
+        self.__dict__["received"] = set()
+        self.__dict__["hf_template"] = None  # the replaced HF module (meta), for dequantize_model
+        self.w13_bias = self.w2_bias = None
+
+    # -- 1. plan ---------------------------------------------------------------------------------
+    @classmethod
+    def plan(cls, module: nn.Module, name: str, lq: LayerQuant, header: dict, disk_prefix: str,
+             naming: tuple[str, ...]) -> "QuantExperts":
+        shape = ExpertsShape.of(module, name)
+        dtype = module.gate_up_proj.dtype if module.gate_up_proj.dtype in FLOATS else torch.bfloat16
+        mod = cls(name, lq, shape, disk_prefix, naming, dtype)
+        mod.__dict__["hf_template"] = module
+        _check_expert_count(header, disk_prefix, shape.num_experts, naming)
+        if shape.interleaved or shape.transposed:
+            raise UnsupportedError("per-expert checkpoint tensors for an experts module whose gate and up are "
+                                   "interleaved (gpt-oss layout) are not supported", where=name,
+                                   fix="store the experts fused (gate_up_proj) or use a gate-then-up model")
+        dims = ((shape.intermediate, shape.hidden),) * 2 + ((shape.hidden, shape.intermediate),)
+        for e in range(shape.num_experts):
+            holder = nn.Module()
+            for leaf, (n, k), (group, shard) in zip(naming, dims, SHARDS):
+                linear = _meta_linear(n, k, f"{disk_prefix}.{e}.{leaf}.bias" in header, dtype)
+                slot = ExpertSlot.plan(linear, f"{disk_prefix}.{e}.{leaf}", lq, header)
+                slot.expert, slot.group, slot.shard = e, group, shard
+                slot.__dict__["owner"] = mod
+                holder.register_module(leaf, slot)
+                mod.slots.append(slot)
+            mod.register_module(str(e), holder)
+        mod._check_uniform_dtypes()
+        return mod
+
+    def _check_uniform_dtypes(self) -> None:
+        """One stacked tensor per role: every expert must store it in one dtype."""
+        seen: dict[tuple[str, str], tuple[torch.dtype, str]] = {}
+        for slot in self.slots:
+            for role, disk in slot.disk.items():
+                first = seen.setdefault((slot.group, role), (disk.dtype, f"{slot.name}.{disk.name}"))
+                if disk.dtype != first[0] and not (disk.dtype in FLOATS and first[0] in FLOATS):
+                    raise CheckpointError(f"tensor {slot.name}.{disk.name} is {disk.dtype} but {first[1]} is "
+                                          f"{first[0]}", where=slot.name,
+                                          fix="every expert stores a tensor in the same dtype; re-export the checkpoint")
+
+    # -- 2. loading ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def receive(self, slot: ExpertSlot, name: str, t: torch.Tensor) -> None:
+        """Take the checkpoint tensor ``name`` of ``slot`` as transformers loaded it: canonical form, into
+        its place in the stacked tensor; the source is released."""
+        if name == "bias":
+            self._place(slot, "bias", t.to(self.dtype))
+        else:
+            spec = next((s for s in self.lq.tensors if slot.disk.get(s.role) and slot.disk[s.role].name == name), None)
+            if spec is None:
+                raise CheckpointError(f"unexpected tensor {slot.name}.{name}", where=slot.name,
+                                      fix="the checkpoint does not match its quantization config")
+            c = slot._to_canonical(spec, t)
+            if c is not None:
+                self._place(slot, spec.role, c)
+        self.received.add((slot.expert, slot.group, slot.shard, name))
+        release_memory(t)
+
+    def _place(self, slot: ExpertSlot, role: str, c: torch.Tensor) -> None:
+        e, group, shard = slot.expert, slot.group, slot.shard
+        shards = 2 if group == "w13" else 1
+        if c.dim() == 0 or role == "weight_g_idx":  # per shard: merged in finalize
+            buf = self._buffer("per_shard", group, role, (self.num_experts, shards, *c.shape), c)
+            buf[e, shard] = c
+            return
+        rows = c.shape[0]
+        buf = self._buffer("stack", group, role, (self.num_experts, shards * rows, *c.shape[1:]), c)
+        buf[e, shard * rows:(shard + 1) * rows] = c
+
+    def _buffer(self, kind: str, group: str, role: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        store = self.__dict__[kind]
+        if (group, role) not in store:
+            store[group, role] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        return store[group, role]
+
+    # -- 3. finalize -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def finalize(self) -> None:
+        if self.finalized:
+            return
+        self._check_all_received()
+        stack, per_shard = self.stack, self.per_shard
+        for (group, role), t in per_shard.items():
+            stack[group, role] = self._merge(group, role, t)
+        for e in range(self.num_experts):
+            delattr(self, str(e))
+        for (group, role), t in stack.items():
+            setattr(self, f"{group}_{role}", _param(t))
+        self.__dict__["stack"] = {}
+        self.finalized = True
+
+    def _check_all_received(self) -> None:
+        for slot in self.slots:
+            names = [d.name for d in slot.disk.values()] + (["bias"] if slot.bias is not None else [])
+            for name in names:
+                if (slot.expert, slot.group, slot.shard, name) not in self.received:
+                    raise CheckpointError(f"tensor {slot.name}.{name} was not loaded", where=slot.name,
+                                          fix="the checkpoint index lists it but no shard held it; check the shards")
+
+    def _merge(self, group: str, role: str, t: torch.Tensor) -> torch.Tensor:
+        """Per-shard ``t`` [E, shards, ...] -> the stacked canonical tensor (module docstring)."""
+        if role in ("input_scale", "input_global_scale"):
+            return t.amax()
+        if group == "w2":
+            return t[:, 0].contiguous()
+        gate, up = t[:, 0], t[:, 1]
+        if role == "weight_g_idx":
+            differ = (gate != up).any(-1).nonzero().flatten().tolist()
+            if differ:
+                raise CheckpointError(f"the gate and up projections of expert {differ[0]} have different g_idx "
+                                      f"({self.disk_prefix}.{differ[0]}.{self.naming[0]}.weight_g_idx)",
+                                      where=self.name, fix="the fused gate/up runs one column order; re-export")
+            return gate.contiguous()
+        if role == "weight_global_scale":
+            differ = (~torch.isclose(gate, up)).nonzero().flatten().tolist()
+            if differ:
+                warnings.warn(f"qcompile: {self.name}: the NVFP4 global scales of gate and up differ for "
+                              f"{len(differ)} experts (expert {differ[0]}: {gate[differ[0]]:.6g} vs "
+                              f"{up[differ[0]]:.6g}); the gate's is used for both, as vLLM does. Accuracy may be "
+                              "affected", stacklevel=4)
+            return gate.contiguous()
+        if role == "weight_scale":  # per-tensor: requantize the other shard to the larger scale
+            return self._merge_tensor_scales(gate, up)
+        if not torch.equal(gate, up):
+            raise UnsupportedError(f"per-tensor {role} differs between gate and up", where=self.name,
+                                   fix="quantize gate and up with one per-tensor parameter")
+        return gate.contiguous()
+
+    def _merge_tensor_scales(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        codes = self.stack["w13", "weight"]
+        w = parse_scheme_key(self.scheme_key).weight
+        rows = self.intermediate
+        for e in (gate != up).nonzero().flatten().tolist():
+            if w.packing.value != "none" or w.dtype.value not in ("fp8_e4m3", "int8"):
+                raise UnsupportedError(f"expert {e}'s gate and up have different per-tensor scales and "
+                                       f"{w.dtype.value} codes cannot be requantized", where=self.name,
+                                       fix="quantize gate and up with one scale")
+            fused, _ = quant_math.requantize_to_max_scale([codes[e, :rows], codes[e, rows:]], [gate[e], up[e]])
+            codes[e] = fused
+            self.requantized.append(e)
+        if self.requantized:
+            log.info("qcompile: %s: gate and up requantized to their larger scale for %d experts", self.name,
+                     len(self.requantized))
+        return torch.maximum(gate, up).contiguous()
+
+    @property
+    def intermediate(self) -> int:
+        return self.intermediate_dim
+
+    # -- 4. saving -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def disk_tensors(self) -> dict[str, torch.Tensor]:
+        """``{<e>.<projection>.<name>: tensor}`` relative to this module: every expert's checkpoint tensors as
+        the checkpoint stored them (the inverse of :meth:`receive` and :meth:`finalize`)."""
+        if self.requantized:
+            raise UnsupportedError(
+                f"the gate and up projections of {len(self.requantized)} experts (expert {self.requantized[0]}, "
+                "...) had different per-tensor scales and were requantized to one at load; their original codes "
+                "cannot be written back", where=self.name,
+                fix="save a checkpoint whose gate and up share their per-tensor scale (every producer writes one)")
+        out = {}
+        for slot in self.slots:
+            leaf = self.naming[(0, 1, 2)[SHARDS.index((slot.group, slot.shard))]]
+            for spec in self.lq.tensors:
+                if spec.role in slot.disk:
+                    t = self._canonical_of(slot, spec.role)
+                    out[f"{slot.expert}.{leaf}.{slot.disk[spec.role].name}"] = slot._to_disk(spec, t)
+            if slot.bias is not None:
+                out[f"{slot.expert}.{leaf}.bias"] = self._rows(self.w13_bias if slot.group == "w13" else self.w2_bias,
+                                                              slot).to(slot.bias.dtype).clone()
+        return out
+
+    def _canonical_of(self, slot: ExpertSlot, role: str) -> torch.Tensor | None:
+        """Expert ``slot.expert``'s canonical tensor of ``role`` for ``slot``'s shard, as loaded."""
+        if (slot.group, role) in self.per_shard:
+            return self.per_shard[slot.group, role][slot.expert, slot.shard]
+        t = getattr(self, f"{slot.group}_{role}", None)
+        return None if t is None else self._rows(t, slot)
+
+    def _rows(self, t: torch.Tensor, slot: ExpertSlot) -> torch.Tensor:
+        rows = t.shape[1] // (2 if slot.group == "w13" else 1)
+        return t[slot.expert, slot.shard * rows:(slot.shard + 1) * rows]
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        w13 = [getattr(self, f"w13_{role}", None) for role in ROLES]
+        w2 = [getattr(self, f"w2_{role}", None) for role in ROLES]
+        return torch.ops.qcompile.experts_ref(hidden_states, top_k_index, top_k_weights, *w13, *w2, self.w13_bias,
+                                              self.w2_bias, self.activation, self.scheme_key)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
+                f"activation={self.activation}, scheme={self.scheme_key}")
+
+    # -- dequantized -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def dequantized(self, dtype: torch.dtype) -> nn.Module:
+        """The replaced HF experts module, holding the dequantized weights in ``dtype``."""
+        import copy
+
+        spec = parse_scheme_key(self.scheme_key).weight
+        fused = []
+        for group, k in (("w13", self.hidden_dim), ("w2", self.intermediate_dim)):
+            tensors = tuple(getattr(self, f"{group}_{role}", None) for role in ROLES[:5])
+            per = []
+            for e in range(self.num_experts):
+                w, s, g, z, idx = expert_slice(tensors, e)
+                per.append(quant_math.dequantize_weight(w, s, spec, g, z, idx, k=k))
+            fused.append(torch.stack(per).to(dtype))
+        out = copy.deepcopy(self.hf_template)
+        out.gate_up_proj, out.down_proj = (nn.Parameter(t, requires_grad=False) for t in self.to_hf_layout(*fused))
+        if self.shape.has_bias:
+            out.gate_up_proj_bias, out.down_proj_bias = (nn.Parameter(t.to(dtype), requires_grad=False) for t in
+                                                         self.to_hf_layout(self.w13_bias, self.w2_bias, bias=True))
+        return out
+
+    def to_hf_layout(self, gate_up: torch.Tensor, down: torch.Tensor, bias: bool = False):
+        """Canonical [E, 2I, ...] (gate rows then up rows) / [E, H, ...] -> the HF module's layout."""
+        if self.shape.interleaved:
+            i = self.intermediate_dim
+            gate_up = torch.stack((gate_up[:, :i], gate_up[:, i:]), dim=2).flatten(1, 2)
+        if self.shape.transposed and not bias:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        return gate_up.contiguous(), down.contiguous()
+
+
+def experts_on_disk(header: dict) -> dict[str, set[str]]:
+    """``{prefix: projection leaves}`` of the per-expert tensors ``<prefix>.<e>.<leaf>.<name>`` in ``header``
+    whose leaves include a full :data:`NAMINGS` triple."""
+    found: dict[str, set[str]] = {}
+    for key in header:
+        parts = key.split(".")
+        for i in range(len(parts) - 3, 0, -1):
+            if parts[i].isdigit():
+                found.setdefault(".".join(parts[:i]), set()).add(parts[i + 1])
+                break
+    return {p: leaves for p, leaves in found.items() if any(set(n) <= leaves for n in NAMINGS)}
+
+
+def locate_experts(name: str, on_disk: dict[str, set[str]]) -> tuple[str, tuple[str, ...]] | None:
+    """Where the checkpoint stores the per-expert tensors of the experts module ``name``: (prefix, naming).
+    The prefix is ``name`` itself or ``name`` with the MoE block renamed, as transformers renames Mixtral's
+    ``block_sparse_moe`` to ``mlp`` (``model.layers.0.block_sparse_moe.experts`` for
+    ``model.layers.0.mlp.experts``); None when the checkpoint has no per-expert tensors for it."""
+    block_parent = name.rpartition(".")[0].rpartition(".")[0]
+    leaf = name.rpartition(".")[2]
+    renamed = [p for p in on_disk if p.rpartition(".")[2] == leaf and p.rpartition(".")[0].rpartition(".")[0] ==
+               block_parent]
+    prefix = name if name in on_disk else renamed[0] if len(renamed) == 1 else None
+    if prefix is None:
+        return None
+    return prefix, next(n for n in NAMINGS if set(n) <= on_disk[prefix])
+
+
+def _check_expert_count(header: dict, prefix: str, num_experts: int, naming: tuple[str, ...]) -> None:
+    """The checkpoint's experts are exactly 0 .. E-1 of the model config."""
+    stored = set()
+    for key in header:
+        if key.startswith(prefix + "."):
+            index = key[len(prefix) + 1:].partition(".")[0]
+            if index.isdigit():
+                stored.add(int(index))
+    extra = sorted(i for i in stored if i >= num_experts)
+    if extra:
+        raise CheckpointError(f"the checkpoint stores expert {extra[0]} ({prefix}.{extra[0]}.{naming[0]}...) but the "
+                              f"model config has {num_experts} experts (0 .. {num_experts - 1})", where=prefix,
+                              fix="the checkpoint does not match its config.json (num_experts / num_local_experts)")
