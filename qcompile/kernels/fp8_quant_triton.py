@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from ..scheme import Granularity
+from ..scheme import Granularity, QDtype
 from . import quant_math
 
 try:
@@ -80,18 +80,29 @@ if HAS_TRITON:
         return code
 
     @triton.jit
-    def _quant(x, s, NATIVE_FP8: tl.constexpr):
+    def _quant(x, s, NATIVE_FP8: tl.constexpr, INT8: tl.constexpr):
+        """fp32 x / s -> the code byte (uint8 bits): e4m3fn, or int8 (round half to even, saturating)."""
         y = tl.math.div_rn(x, s)
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        return _to_e4m3_bits(y, NATIVE_FP8)
+        if INT8:
+            y = tl.minimum(tl.maximum(y, -128.0), 127.0)
+            r = (tl.abs(y) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # RTNE of |y| < 2**23
+            code = tl.where(y < 0, -r, r).to(tl.int8).to(tl.uint8, bitcast=True)
+        else:
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            code = _to_e4m3_bits(y, NATIVE_FP8)
+        return code
 
     @triton.jit
-    def _scale_from_amax(amax):
-        return tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+    def _scale_from_amax(amax, INT8: tl.constexpr):
+        if INT8:
+            s = tl.maximum(tl.math.div_rn(amax, 127.0), 1.0 / (448.0 * 512.0))
+        else:
+            s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+        return s
 
     @triton.jit
     def _static_tensor_kernel(x_ptr, q_ptr, s_ptr, M, K,
-                              BLOCK_K: tl.constexpr, NATIVE_FP8: tl.constexpr):
+                              BLOCK_K: tl.constexpr, NATIVE_FP8: tl.constexpr, INT8: tl.constexpr):
         # grid (rows, cdiv(K, BLOCK_K)); rows >= M are written as zeros
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -99,11 +110,11 @@ if HAS_TRITON:
         row_ok = (cols * 0 + row) < M  # broadcast explicitly (the interpreter rejects a scalar mask)
         x = tl.load(x_ptr + row * K + cols, mask=in_k & row_ok, other=0.0).to(tl.float32)
         s = tl.load(s_ptr)
-        tl.store(q_ptr + row * K + cols, _quant(x, s, NATIVE_FP8), mask=in_k)
+        tl.store(q_ptr + row * K + cols, _quant(x, s, NATIVE_FP8, INT8), mask=in_k)
 
     @triton.jit
     def _dynamic_token_kernel(x_ptr, q_ptr, s_ptr, K,
-                              BLOCK_K: tl.constexpr, NATIVE_FP8: tl.constexpr):
+                              BLOCK_K: tl.constexpr, NATIVE_FP8: tl.constexpr, INT8: tl.constexpr):
         # grid (M,): amax over the row, then quantize it (the second pass re-reads from L1/L2)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK_K)
@@ -111,12 +122,12 @@ if HAS_TRITON:
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + row * K + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        s = _scale_from_amax(tl.max(amax, axis=0))
+        s = _scale_from_amax(tl.max(amax, axis=0), INT8)
         tl.store(s_ptr + row, s)
         for k0 in range(0, K, BLOCK_K):
             m = k0 + offs < K
             x = tl.load(x_ptr + row * K + k0 + offs, mask=m, other=0.0).to(tl.float32)
-            tl.store(q_ptr + row * K + k0 + offs, _quant(x, s, NATIVE_FP8), mask=m)
+            tl.store(q_ptr + row * K + k0 + offs, _quant(x, s, NATIVE_FP8, INT8), mask=m)
 
     @triton.jit
     def _dynamic_group_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_sm, stride_sg,
@@ -128,8 +139,8 @@ if HAS_TRITON:
         in_k = cols < K
         row_ok = (cols * 0 + row) < M
         x = tl.load(x_ptr + row * K + cols, mask=in_k & row_ok, other=0.0).to(tl.float32)
-        s = _scale_from_amax(tl.max(tl.abs(x), axis=1))  # [GROUPS]
-        tl.store(q_ptr + row * K + cols, _quant(x, s[:, None], NATIVE_FP8), mask=in_k)
+        s = _scale_from_amax(tl.max(tl.abs(x), axis=1), False)  # [GROUPS]
+        tl.store(q_ptr + row * K + cols, _quant(x, s[:, None], NATIVE_FP8, False), mask=in_k)
         tl.store(s_ptr + row * stride_sm + g * stride_sg, s, mask=g * GROUP < K)
 
     @triton.jit
@@ -146,18 +157,18 @@ if HAS_TRITON:
         tl.store(part_ptr + pid, tl.max(amax, axis=0))
 
     @triton.jit
-    def _dynamic_tensor_kernel(x_ptr, q_ptr, part_ptr, s_ptr, numel, NPART,
-                               PART_POW2: tl.constexpr, BLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    def _dynamic_tensor_kernel(x_ptr, q_ptr, part_ptr, s_ptr, numel, NPART, PART_POW2: tl.constexpr,
+                               BLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr, INT8: tl.constexpr):
         # grid (cdiv(numel, BLOCK),): every program finishes the (tiny) amax reduction itself
         pid = tl.program_id(0)
         p = tl.arange(0, PART_POW2)
-        s = _scale_from_amax(tl.max(tl.load(part_ptr + p, mask=p < NPART, other=0.0), axis=0))
+        s = _scale_from_amax(tl.max(tl.load(part_ptr + p, mask=p < NPART, other=0.0), axis=0), INT8)
         if pid == 0:
             tl.store(s_ptr, s)
         idx = pid * BLOCK + tl.arange(0, BLOCK)
         m = idx < numel
         x = tl.load(x_ptr + idx, mask=m, other=0.0).to(tl.float32)
-        tl.store(q_ptr + idx, _quant(x, s, NATIVE_FP8), mask=m)
+        tl.store(q_ptr + idx, _quant(x, s, NATIVE_FP8, INT8), mask=m)
 
     @triton.jit
     def _scale_epilogue_kernel(acc_ptr, out_ptr, row_ptr, col_ptr, bias_ptr, N,
@@ -167,7 +178,7 @@ if HAS_TRITON:
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = cols < N
-        y = tl.load(acc_ptr + row * N + cols, mask=m, other=0.0)
+        y = tl.load(acc_ptr + row * N + cols, mask=m, other=0).to(tl.float32)  # fp32 or int32 accumulators
         if HAS_ROW:
             y = y * tl.load(row_ptr + row)
         if HAS_COL:
@@ -188,32 +199,31 @@ def _bytes_view(q: torch.Tensor) -> torch.Tensor:
 # -- the four recipes ----------------------------------------------------------------------------
 
 def quantize_static_tensor(x: torch.Tensor, scale: torch.Tensor, rows: int | None = None,
-                           native: bool | None = None):
-    """x [M, K] contiguous, scale [] fp32 -> (q [rows, K] fp8, scale [])."""
+                           native: bool | None = None, int8: bool = False):
+    """x [M, K] contiguous, scale [] fp32 -> (q [rows, K] fp8 (int8), scale [])."""
     m, k = x.shape
     rows = m if rows is None else rows
     scale = scale.float().reshape(())
     if not use_triton(x):
-        q = quant_math.quantize_fp8(x, scale)
+        q = quant_math.quantize_int8(x, scale) if int8 else quant_math.quantize_fp8(x, scale)
         return _pad_rows(q, rows), scale
-    q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    q = torch.empty((rows, k), dtype=_code_dtype(int8), device=x.device)
     block = min(_pow2(k), 2048)
     _static_tensor_kernel[(rows, triton.cdiv(k, block))](
-        x, _bytes_view(q), scale, m, k, BLOCK_K=block, NATIVE_FP8=_native_fp8(x, native), num_warps=4)
+        x, _bytes_view(q), scale, m, k, BLOCK_K=block, NATIVE_FP8=_native_fp8(x, native), INT8=int8, num_warps=4)
     return q, scale
 
 
-def quantize_dynamic_token(x: torch.Tensor, native: bool | None = None):
-    """x [M, K] contiguous -> (q [M, K] fp8, scale [M, 1])."""
+def quantize_dynamic_token(x: torch.Tensor, native: bool | None = None, int8: bool = False):
+    """x [M, K] contiguous -> (q [M, K] fp8 (int8), scale [M, 1])."""
     m, k = x.shape
     if not use_triton(x):
-        scale = quant_math.dynamic_fp8_scale(x, Granularity.TOKEN)
-        return quant_math.quantize_fp8(x, scale), scale
-    q = torch.empty((m, k), dtype=FP8, device=x.device)
+        return _torch_dynamic(x, Granularity.TOKEN, int8)
+    q = torch.empty((m, k), dtype=_code_dtype(int8), device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = min(_pow2(k), 8192)
-    _dynamic_token_kernel[(m,)](x, _bytes_view(q), scale, k, BLOCK_K=block,
-                                NATIVE_FP8=_native_fp8(x, native), num_warps=8 if block >= 4096 else 4)
+    _dynamic_token_kernel[(m,)](x, _bytes_view(q), scale, k, BLOCK_K=block, NATIVE_FP8=_native_fp8(x, native),
+                                INT8=int8, num_warps=8 if block >= 4096 else 4)
     return q, scale
 
 
@@ -239,35 +249,50 @@ def quantize_dynamic_group(x: torch.Tensor, group: int = 128, rows: int | None =
     return q, scale
 
 
-def quantize_dynamic_tensor(x: torch.Tensor, native: bool | None = None):
-    """x [M, K] contiguous -> (q [M, K] fp8, scale []). Two launches: partial amaxes, then quantize."""
+def quantize_dynamic_tensor(x: torch.Tensor, native: bool | None = None, int8: bool = False):
+    """x [M, K] contiguous -> (q [M, K] fp8 (int8), scale []). Two launches: partial amaxes, then quantize."""
     m, k = x.shape
     if not use_triton(x):
-        scale = quant_math.dynamic_fp8_scale(x, Granularity.TENSOR)
-        return quant_math.quantize_fp8(x, scale), scale
+        return _torch_dynamic(x, Granularity.TENSOR, int8)
     numel = m * k
     block = 4096
     chunks = triton.cdiv(numel, block)
     nparts = min(chunks, 256)
     parts = torch.empty((nparts,), dtype=torch.float32, device=x.device)
     _partial_amax_kernel[(nparts,)](x, parts, numel, triton.cdiv(chunks, nparts), BLOCK=block, num_warps=8)
-    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    q = torch.empty((m, k), dtype=_code_dtype(int8), device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
     _dynamic_tensor_kernel[(chunks,)](x, _bytes_view(q), parts, scale, numel, nparts, PART_POW2=_pow2(nparts),
-                                      BLOCK=block, NATIVE_FP8=_native_fp8(x, native), num_warps=8)
+                                      BLOCK=block, NATIVE_FP8=_native_fp8(x, native), INT8=int8, num_warps=8)
     return q, scale
 
 
+def _code_dtype(int8: bool) -> torch.dtype:
+    return torch.int8 if int8 else FP8
+
+
+def _torch_dynamic(x: torch.Tensor, granularity: Granularity, int8: bool):
+    if int8:
+        spec = QDtype.INT8
+        amax = x.float().abs().amax() if granularity is Granularity.TENSOR else x.float().abs().amax(-1, keepdim=True)
+        scale = (amax / torch.full_like(amax, spec.max)).clamp(min=MIN_SCALE)
+        return quant_math.quantize_int8(x, scale), scale
+    scale = quant_math.dynamic_fp8_scale(x, granularity)
+    return quant_math.quantize_fp8(x, scale), scale
+
+
 def quantize(x: torch.Tensor, act, input_scale: torch.Tensor | None, native: bool | None = None):
-    """Dispatch on an ActSpec (FP8, symmetric). Returns (q [M, K], scale as listed in the module doc)."""
+    """Dispatch on an ActSpec (FP8 or INT8, symmetric). Returns (q [M, K], scale as listed in the module
+    doc); INT8 has the per-tensor and per-token recipes."""
     gran = act.scale.granularity
+    int8 = act.dtype is QDtype.INT8
     if not act.dynamic:
-        return quantize_static_tensor(x, input_scale, native=native)
+        return quantize_static_tensor(x, input_scale, native=native, int8=int8)
     if gran is Granularity.TENSOR:
-        return quantize_dynamic_tensor(x, native=native)
+        return quantize_dynamic_tensor(x, native=native, int8=int8)
     if gran is Granularity.TOKEN:
-        return quantize_dynamic_token(x, native=native)
-    if gran is Granularity.GROUP:
+        return quantize_dynamic_token(x, native=native, int8=int8)
+    if gran is Granularity.GROUP and not int8:
         return quantize_dynamic_group(x, act.scale.group_size, native=native)
     raise AssertionError(f"activation granularity {gran}")
 

@@ -203,5 +203,6 @@ def _load_builtin():
     from . import reference  # noqa: F401  (registers the reference kernel)
     from . import experts_ref  # noqa: F401  (the experts reference kernel)
     from . import fp8  # noqa: F401
+    from . import int8  # noqa: F401
     from . import wo_gemm  # noqa: F401
     from . import nvfp4  # noqa: F401
