@@ -28,7 +28,7 @@ from .kernels.quant_math import FP8_MAX, quantize_weight_fp8
 from .scheme import Granularity
 
 FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "modelopt-fp8-pbwo", "ct-fp8-static", "ct-fp8-dynamic",
-           "ct-fp8-block") + synth_4bit.FORMATS
+           "ct-fp8-block", "ct-w8a8-int8") + synth_4bit.FORMATS
 # The quantized formats: what ``qcompile run --format`` offers ("bf16" is the unquantized source that
 # online quantization starts from).
 QUANTIZED_FORMATS = FORMATS[1:]
@@ -193,17 +193,23 @@ def _copy_unquantized(source: str, path: str) -> None:
 
 
 def _quantize_fp8(fmt: str, state: dict, amax: dict[str, float]) -> dict:
-    """The FP8 formats, in place on ``state``; returns the configs (see ``synth_4bit.quantize_state``)."""
+    """The FP8 formats and compressed-tensors W8A8-INT8 (int8 channel weights, dynamic per-token int8
+    activations, as llm-compressor's W8A8 preset), in place on ``state``; returns the configs (see
+    ``synth_4bit.quantize_state``)."""
     modelopt = fmt.startswith("modelopt")
     gran = {"modelopt-fp8": Granularity.TENSOR, "ct-fp8-static": Granularity.TENSOR,
             "modelopt-fp8-pcpt": Granularity.CHANNEL, "ct-fp8-dynamic": Granularity.CHANNEL,
-            "modelopt-fp8-pbwo": Granularity.BLOCK, "ct-fp8-block": Granularity.BLOCK}[fmt]
+            "modelopt-fp8-pbwo": Granularity.BLOCK, "ct-fp8-block": Granularity.BLOCK,
+            "ct-w8a8-int8": Granularity.CHANNEL}[fmt]
     static_act = fmt in ("modelopt-fp8", "ct-fp8-static")
     scale_dtype = torch.float32 if modelopt else torch.bfloat16
     for name in amax:
         w = state.pop(f"{name}.weight")
         q, s = quantize_weight_fp8(w, gran)
-        if not modelopt:
+        if fmt == "ct-w8a8-int8":  # round(w / s) to int8 in fp32, s = amax / 127 in bf16
+            s = (w.float().abs().amax(1) / 127).clamp(min=1e-8).to(torch.bfloat16).float()
+            q = torch.round(w.float() / s[:, None]).clamp(-128, 127).to(torch.int8)
+        elif not modelopt:
             # llm-compressor divides in the model dtype by the stored (bf16) scale
             s = s.to(torch.bfloat16)
             q = (w / _expand(s, gran, w.shape)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -249,19 +255,23 @@ def _modelopt_configs(fmt: str) -> dict:
 
 
 def _ct_config(fmt: str) -> dict:
+    kind = "int" if fmt == "ct-w8a8-int8" else "float"
+
     def args(strategy, dynamic, **kw):
         return {"actorder": None, "block_structure": kw.get("block"), "dynamic": dynamic,
                 "group_size": kw.get("group"), "num_bits": 8, "observer": None if dynamic else "memoryless_minmax",
-                "observer_kwargs": {}, "scale_dtype": None, "strategy": strategy, "symmetric": True, "type": "float",
+                "observer_kwargs": {}, "scale_dtype": None, "strategy": strategy, "symmetric": True, "type": kind,
                 "zp_dtype": None}
     weights, acts = {
         "ct-fp8-static": (args("tensor", False), args("tensor", False)),
         "ct-fp8-dynamic": (args("channel", False), args("token", True)),
         "ct-fp8-block": (args("block", False, block=[128, 128]), args("group", True, group=128)),
+        "ct-w8a8-int8": (args("channel", False), args("token", True)),
     }[fmt]
-    group = {"format": "float-quantized", "input_activations": acts, "output_activations": None,
+    layout = f"{kind}-quantized"
+    group = {"format": layout, "input_activations": acts, "output_activations": None,
              "targets": ["Linear"], "weights": weights}
-    return {"config": {"config_groups": {"group_0": group}, "format": "float-quantized",
+    return {"config": {"config_groups": {"group_0": group}, "format": layout,
                        "global_compression_ratio": None, "ignore": ["lm_head"], "kv_cache_scheme": None,
                        "quant_method": "compressed-tensors", "quantization_status": "compressed",
                        "sparsity_config": {}, "transform_config": {}, "version": "0.19.0"}}
