@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qcompile.kernels import wo_gemm, wo_mma
+from qcompile.kernels import cuda_driver, wo_gemm, wo_mma, wo_policy
 from qcompile.scheme import Packing, QDtype, QuantScheme, canonical_shape
 
 from .test_wo_gemm import SPECS
@@ -92,6 +92,7 @@ class FakeGpu:
 
     def __init__(self, capability: tuple[int, int], sms: int):
         self.capability, self.sms = capability, sms
+        self.pdl = wo_policy.pdl_default(capability)
         gpcs = max(1, round(sms / 16.5))
         self.gpcs = [sms // gpcs + (i < sms % gpcs) for i in range(gpcs)]
 
@@ -175,21 +176,18 @@ def layer(spec, xdtype, n, k):
 
 
 class Recorder:
-    """Runs the op's mma backend on meta tensors with the device queries and the launches replaced."""
+    """Runs the op's mma backend on meta tensors with the GPU (:class:`FakeGpu`) and the launches replaced."""
 
     def __init__(self, monkeypatch):
         self.log, self.gpu = [], None
         mp = monkeypatch
         mp.delenv("QCOMPILE_PDL", raising=False)
-        mp.setattr(wo_mma, "_index", lambda device: 0)
-        mp.setattr(wo_mma, "_capability", lambda idx: self.gpu.capability)
-        mp.setattr(wo_mma, "_sm_count", lambda device: self.gpu.sms)
-        mp.setattr(wo_mma, "_kernel", lambda cfg, device, name="wo_mma": FakeKernel(cfg, name))
-        mp.setattr(wo_mma, "_blocks_per_sm", lambda kern, cfg, smem: self.gpu.blocks_per_sm(cfg, smem))
-        mp.setattr(wo_mma, "_max_active_clusters", lambda kern, cfg, smem: self.gpu.max_active_clusters(cfg, smem))
-        mp.setattr(wo_mma, "_counters", lambda device, n: f"counters[{n}]")
-        mp.setattr(wo_mma, "_x_tensor_map", lambda x2, rows: f"tmap[{rows}]")
-        mp.setattr(wo_mma, "_launch", lambda kern, *a: self.log.append(launch_text(kern.name, kern.cfg, *a)))
+        mp.setattr(wo_mma, "gpu", lambda device: self.gpu)
+        mp.setattr(wo_mma, "_kernel", lambda cfg, idx, name="wo_mma": FakeKernel(cfg, name))
+        mp.setattr(cuda_driver, "device_index", lambda device: 0)
+        mp.setattr(cuda_driver, "counters", lambda device, n: f"counters[{n}]")
+        mp.setattr(cuda_driver, "tensor_map_2d", lambda x2, cols, rows: f"tmap[{rows}]")
+        mp.setattr(cuda_driver, "launch", lambda kern, *a: self.log.append(launch_text(kern.name, kern.cfg, *a)))
         real = wo_mma.wo_mma
         mp.setattr(wo_mma, "wo_mma", lambda x2, *a, **kw: real(x2.as_subclass(torch.Tensor), *a, **kw))
         mp.setattr(wo_mma, "wo_mma_blocked", lambda x2, *a: self._blocks(a[-1]))
@@ -210,8 +208,6 @@ class Recorder:
 
     def device(self, capability, sms):
         self.gpu = FakeGpu(capability, sms)
-        for cache in (wo_mma._PLANS, wo_mma._DEFAULTS, wo_mma._PDL, wo_mma._CAP, wo_mma._SMS):
-            cache.clear()
 
     def decide(self, tensors, spec, xdtype, m, k) -> str:
         """What the op's mma backend runs for M rows."""
