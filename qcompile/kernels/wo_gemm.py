@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from ..errors import UnsupportedError
 from ..scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, WeightSpec, canonical_shape
 from ..scheme import parse_scheme_key
-from . import quant_math, wo_mma, wo_policy
+from . import quant_math, wo_mma, wo_policy, wo_tune
 from .fp8_quant_triton import HAS_TRITON, use_triton
 from .reference import register_straight_through
 from .registry import HALF, Kernel, KernelQuery, cuda_reason, register
@@ -315,9 +315,23 @@ def _triton(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
 
 
 def _mma(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
-    """The CUDA C++ kernel (wo_mma.cu) for bf16 / fp16 x where the policy gives it the rows
-    (wo_policy.mma_rows: one launch, or on sm_90 row blocks); everything else as ``triton`` (or
-    ``dequant`` where Triton cannot run it)."""
+    """The CUDA C++ kernel (wo_mma.cu) for bf16 / fp16 x: a measured choice for this shape where there is
+    one (:mod:`wo_tune`), else the policy's route (:func:`_mma_policy`)."""
+    args = (x2, weight, scale, gs, zp, g_idx, bias, spec)
+    if wo_tune.on_gpu(x2):
+        key = wo_tune.key_of(spec, x2.dtype, weight.shape[0], x2.shape[1], x2.shape[0])
+        choice = wo_tune.lookup(wo_tune.gpu_name(x2), key)
+        if choice is None and key is not None and wo_tune.enabled() and wo_tune.can_measure(x2):
+            times = tune_call(*args)
+            choice = wo_tune.best(times)
+        if choice is not None:
+            return run_choice(choice, *args)
+    return _mma_policy(*args)
+
+
+def _mma_policy(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
+    """The kernel where the policy gives it the rows (wo_policy.mma_rows: one launch, or on sm_90 row
+    blocks); everything else as ``triton`` (or ``dequant`` where Triton cannot run it)."""
     n, k = weight.shape[0], x2.shape[1]
     if x2.is_cuda and wo_mma.mma_reason(spec, n, k, x2.dtype, None if zp is None else zp.dtype) is None:
         rows = wo_policy.mma_rows(spec, x2.shape[0], wo_mma.capability(x2.device))
@@ -328,6 +342,43 @@ def _mma(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
     if use_triton(x2) and triton_shape_reason(spec, n, k) is None:
         return _triton(x2, weight, scale, gs, zp, g_idx, bias, spec)
     return _dequant(x2, weight, scale, gs, zp, g_idx, bias, spec)
+
+
+def run_choice(choice: wo_tune.Choice, x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
+    """The call run as ``choice`` says; where that route cannot run it (no such build at this M, a shape
+    the kernel does not take), as the policy says."""
+    n, k = weight.shape[0], x2.shape[1]
+    if choice.route == "mma" and wo_mma.mma_reason(spec, n, k, x2.dtype, None if zp is None else zp.dtype) is None:
+        try:
+            launch = wo_mma.decide(x2, weight, gs, zp, bias, spec, **choice.launch)
+        except (ValueError, TypeError):
+            launch = None
+        if launch is not None:
+            return wo_mma.run(launch, x2, weight, scale, gs, zp, bias, spec)
+    elif choice.route == "triton" and use_triton(x2) and triton_shape_reason(spec, n, k) is None:
+        return wo_gemm(x2, weight, scale, gs, zp, g_idx, bias, spec)
+    elif choice.route == "dequant":
+        return _dequant(x2, weight, scale, gs, zp, g_idx, bias, spec)
+    return _mma_policy(x2, weight, scale, gs, zp, g_idx, bias, spec)
+
+
+def tune_call(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec, reps: int = 20,
+              keep: bool = True) -> dict:
+    """µs of every candidate route of this call (:func:`wo_tune.candidates`); with ``keep`` the fastest is
+    added to the on-disk cache under the call's M bucket."""
+    args = (x2, weight, scale, gs, zp, g_idx, bias, spec)
+    m, n, k = x2.shape[0], weight.shape[0], x2.shape[1]
+    mma_ok = wo_mma.mma_reason(spec, n, k, x2.dtype, None if zp is None else zp.dtype) is None
+    triton_ok = use_triton(x2) and triton_shape_reason(spec, n, k) is None
+    cands = wo_tune.candidates(spec, m, mma_ok, triton_ok, wo_mma.capability(x2.device),
+                               lambda **kw: wo_mma.decide(x2, weight, gs, zp, bias, spec, **kw))
+    times = wo_tune.measure(cands, lambda c: run_choice(c, *args), reps)
+    choice = wo_tune.best(times)
+    key = wo_tune.key_of(spec, x2.dtype, n, k, m)
+    if keep and key is not None:
+        figures = {"us": round(times[choice], 2), "policy_us": round(times.get(wo_tune.Choice("policy"), 0.0), 2)}
+        wo_tune.store(wo_tune.gpu_name(x2), key, choice, figures)
+    return times
 
 
 _IMPLS = {"mma": _mma, "triton": _triton, "dequant": _dequant}
