@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_wo_linear import FORMATS, copies_for, op_fn, timed, weight_copies  # noqa: E402
 
-from qcompile.kernels import quant_math, wo_mma  # noqa: E402
+from qcompile.kernels import cuda_driver, quant_math, wo_mma, wo_policy  # noqa: E402
 
 
 def tiled_copies(spec, n, k, g, normal=False):
@@ -57,7 +57,7 @@ def with_bf16(shape, ms, g, res):
 
 
 def blocks(args, g, res):
-    wo_mma.BLOCKED_MAX_M = dict.fromkeys(wo_mma.BLOCKED_MAX_M, 1 << 20)  # every M as blocks, for the crossover
+    wo_policy.BLOCKED_MAX_M = dict.fromkeys(wo_policy.BLOCKED_MAX_M, 1 << 20)  # every M as blocks, for the crossover
     for shape in args.shapes:
         n, k, xs = with_bf16(shape, args.m, g, res)
         for name in args.formats if shape == args.shapes[0] else args.formats[:2]:
@@ -107,12 +107,12 @@ class source_of:
         self.path, self.caches = path, ({}, {}, {})
 
     def __enter__(self):
-        self.saved = wo_mma.SOURCE, wo_mma._KERNELS, wo_mma._PLANS, wo_mma._DEFAULTS
+        self.saved = wo_mma.SOURCE, wo_mma._KERNELS, wo_policy._PLANS, wo_policy._DEFAULTS
         wo_mma.SOURCE = Path(self.path)
-        wo_mma._KERNELS, wo_mma._PLANS, wo_mma._DEFAULTS = self.caches
+        wo_mma._KERNELS, wo_policy._PLANS, wo_policy._DEFAULTS = self.caches
 
     def __exit__(self, *exc):
-        wo_mma.SOURCE, wo_mma._KERNELS, wo_mma._PLANS, wo_mma._DEFAULTS = self.saved
+        wo_mma.SOURCE, wo_mma._KERNELS, wo_policy._PLANS, wo_policy._DEFAULTS = self.saved
 
 
 def ab(args, g, res):
@@ -147,7 +147,7 @@ def ab(args, g, res):
 
 
 def ws_sweep(args, g, res):
-    real_launch = wo_mma._launch
+    real_launch = cuda_driver.launch
     variants = json.loads(args.ws_variants) if args.ws_variants else WS_VARIANTS + [dict(ws=True, skip_x_prep=True)]
     for shape in args.shapes:
         n, k = map(int, shape.split("x"))
@@ -168,12 +168,12 @@ def ws_sweep(args, g, res):
                             def launch(kern, grid, block, smem, *a):  # x_prep: 256 threads, no shared memory
                                 if block != (256, 1, 1) or smem:
                                     real_launch(kern, grid, block, smem, *a)
-                            wo_mma._launch = launch
+                            cuda_driver.launch = launch
                         res[key] = {"us": [timed(fns, 20, 25, m) for _ in range(2)], "rel": err}
                     except Exception as e:  # noqa: BLE001
                         res[key] = f"fails: {type(e).__name__}: {str(e).splitlines()[0][:150]}"
                     finally:
-                        wo_mma._launch = real_launch
+                        cuda_driver.launch = real_launch
                     print(key, res[key], flush=True)
             del qs
 

@@ -28,7 +28,7 @@ Backends (the op's ``backend`` argument):
 
 * ``"triton"`` (CUDA sm_80+, or CPU under ``TRITON_INTERPRET=1``): the kernel for M <= ``WO_MAX_M``
   of the format's family; above it the Triton dequantize kernel writes the weight in x.dtype once
-  and ``F.linear`` runs the GEMM (cuBLAS wins there; the crossover figures are at WO_MAX_M).
+  and ``F.linear`` runs the GEMM (cuBLAS is faster there).
 * ``"dequant"`` (any device): dequantize (Triton kernel on CUDA, :mod:`quant_math` elsewhere), cast
   to x.dtype, ``F.linear``. The CPU path and the fallback of every shape the kernel rejects.
 
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from ..errors import UnsupportedError
 from ..scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, WeightSpec, canonical_shape
 from ..scheme import parse_scheme_key
-from . import quant_math, wo_mma
+from . import quant_math, wo_mma, wo_policy, wo_tune
 from .fp8_quant_triton import HAS_TRITON, use_triton
 from .reference import register_straight_through
 from .registry import HALF, Kernel, KernelQuery, cuda_reason, register
@@ -60,9 +60,7 @@ OP = "qcompile::wo_linear"
 BACKENDS = ("mma", "triton", "dequant")
 
 # Largest M the Triton kernel runs, by family(): above it the "triton" backend dequantizes once and calls
-# F.linear, which won on an H100 (N=K=8192 and N=28672, K=8192; kernel against dequant: int4 at M = 256 116.7
-# against 123.6 us at 8192^2 but 451.4 against 421.3 at 28672x8192, fp4 at M = 128 198.2 against 137.4). MXFP8
-# (fp8 weights, e8m0 scales) lost at every M (M = 1: 149.3 against 132.8 at 8192^2).
+# F.linear (cuBLAS), which is faster there; MXFP8 always takes that path.
 WO_MAX_M = {"int4": 128, "fp4": 64, "8bit": 128, "fp8": 0}
 
 
@@ -136,10 +134,8 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[idx]
 
 
-# Launch configurations, by weight family and M bucket: (BLOCK_M, BLOCK_N, words per K step,
-# num_warps, num_stages, waves of programs for auto_split). Filled from the H100 sweep of
-# benchmarks/bench_wo_linear.py --tune (docs/kernels-wo.md); 16 words = one int4 group of 128 per
-# step, so its scale is applied after the dot.
+# Launch configurations, by weight family and M bucket, from sweeps of benchmarks/bench_wo_linear.py --tune;
+# 16 words = one int4 group of 128 per step, so its scale is applied after the dot.
 TUNED: dict[tuple[str, int], tuple] = {
     # (family, M bucket): (BLOCK_M, BLOCK_N, words per step, warps, stages, waves, scale prefetch, x permuted)
     ("int4", 16): (16, 64, 16, 4, 4, 4, True, False), ("int4", 32): (32, 64, 16, 4, 4, 4, True, False),
@@ -319,20 +315,70 @@ def _triton(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
 
 
 def _mma(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
-    """The CUDA C++ kernel (wo_mma.cu) for bf16 / fp16 x with M <= wo_mma.max_m (32; on sm_90 128, 96 for
-    int4 weights not tiled), on sm_90 up to wo_mma.BLOCKED_MAX_M as row blocks (wo_mma.row_blocks);
-    everything else as ``triton`` (or ``dequant`` where Triton cannot run it)."""
+    """The CUDA C++ kernel (wo_mma.cu) for bf16 / fp16 x: a measured choice for this shape where there is
+    one (:mod:`wo_tune`), else the policy's route (:func:`_mma_policy`)."""
+    args = (x2, weight, scale, gs, zp, g_idx, bias, spec)
+    if wo_tune.on_gpu(x2):
+        key = wo_tune.key_of(spec, x2.dtype, weight.shape[0], x2.shape[1], x2.shape[0])
+        choice = wo_tune.lookup(wo_tune.gpu_name(x2), key)
+        if choice is None and key is not None and wo_tune.enabled() and wo_tune.can_measure(x2):
+            times = tune_call(*args)
+            choice = wo_tune.best(times)
+        if choice is not None:
+            return run_choice(choice, *args)
+    return _mma_policy(*args)
+
+
+def _mma_policy(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
+    """The kernel where the policy gives it the rows (wo_policy.mma_rows: one launch, or on sm_90 row
+    blocks); everything else as ``triton`` (or ``dequant`` where Triton cannot run it)."""
     n, k = weight.shape[0], x2.shape[1]
     if x2.is_cuda and wo_mma.mma_reason(spec, n, k, x2.dtype, None if zp is None else zp.dtype) is None:
-        cap = wo_mma.capability(x2.device)
-        if x2.shape[0] <= wo_mma.max_m(spec, cap):
+        rows = wo_policy.mma_rows(spec, x2.shape[0], wo_mma.capability(x2.device))
+        if rows is not None and len(rows) == 1:
             return wo_mma.wo_mma(x2, weight, scale, gs, zp, bias, spec)
-        blocks = wo_mma.row_blocks(spec, x2.shape[0], cap)
-        if blocks:
-            return wo_mma.wo_mma_blocked(x2, weight, scale, gs, zp, bias, spec, blocks)
+        if rows:
+            return wo_mma.wo_mma_blocked(x2, weight, scale, gs, zp, bias, spec, rows)
     if use_triton(x2) and triton_shape_reason(spec, n, k) is None:
         return _triton(x2, weight, scale, gs, zp, g_idx, bias, spec)
     return _dequant(x2, weight, scale, gs, zp, g_idx, bias, spec)
+
+
+def run_choice(choice: wo_tune.Choice, x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
+    """The call run as ``choice`` says; where that route cannot run it (no such build at this M, a shape
+    the kernel does not take), as the policy says."""
+    n, k = weight.shape[0], x2.shape[1]
+    if choice.route == "mma" and wo_mma.mma_reason(spec, n, k, x2.dtype, None if zp is None else zp.dtype) is None:
+        try:
+            launch = wo_mma.decide(x2, weight, gs, zp, bias, spec, **choice.launch)
+        except (ValueError, TypeError):
+            launch = None
+        if launch is not None:
+            return wo_mma.run(launch, x2, weight, scale, gs, zp, bias, spec)
+    elif choice.route == "triton" and use_triton(x2) and triton_shape_reason(spec, n, k) is None:
+        return wo_gemm(x2, weight, scale, gs, zp, g_idx, bias, spec)
+    elif choice.route == "dequant":
+        return _dequant(x2, weight, scale, gs, zp, g_idx, bias, spec)
+    return _mma_policy(x2, weight, scale, gs, zp, g_idx, bias, spec)
+
+
+def tune_call(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec, reps: int = 20,
+              keep: bool = True) -> dict:
+    """µs of every candidate route of this call (:func:`wo_tune.candidates`); with ``keep`` the fastest is
+    added to the on-disk cache under the call's M bucket."""
+    args = (x2, weight, scale, gs, zp, g_idx, bias, spec)
+    m, n, k = x2.shape[0], weight.shape[0], x2.shape[1]
+    mma_ok = wo_mma.mma_reason(spec, n, k, x2.dtype, None if zp is None else zp.dtype) is None
+    triton_ok = use_triton(x2) and triton_shape_reason(spec, n, k) is None
+    cands = wo_tune.candidates(spec, m, mma_ok, triton_ok, wo_mma.capability(x2.device),
+                               lambda **kw: wo_mma.decide(x2, weight, gs, zp, bias, spec, **kw))
+    times = wo_tune.measure(cands, lambda c: run_choice(c, *args), reps)
+    choice = wo_tune.best(times)
+    key = wo_tune.key_of(spec, x2.dtype, n, k, m)
+    if keep and key is not None:
+        figures = {"us": round(times[choice], 2), "policy_us": round(times.get(wo_tune.Choice("policy"), 0.0), 2)}
+        wo_tune.store(wo_tune.gpu_name(x2), key, choice, figures)
+    return times
 
 
 _IMPLS = {"mma": _mma, "triton": _triton, "dequant": _dequant}

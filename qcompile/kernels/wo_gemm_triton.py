@@ -122,8 +122,8 @@ if HAS_TRITON:
                   NATURAL: tl.constexpr = False):
         """x[m, k0:k0+BLOCK_K] in one contiguous (cp.async-able, so pipelined) load, split in registers
         into EPW tensors [BLOCK_M, BLOCK_K/EPW]: slice j holds x[m, k0 + EPW*i + j], the partner of
-        code j of word i. (Loading the slices directly means 2-byte loads at a 16-byte stride, which
-        cp.async cannot do: they stalled every K step, 4x the memory floor on the H100.)"""
+        code j of word i (loading the slices directly would take 2-byte loads at a 16-byte stride, which
+        cp.async cannot pipeline)."""
         x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok[:, None],
                     other=0.0)
         if NATURAL:  # tiled in natural-x order: word i = 16c + 4q + e, element j = 2jh + j0 holds

@@ -18,7 +18,7 @@ import torch
 
 from qcompile.kernels import quant_math, registry
 from qcompile.kernels import wo_gemm as wg
-from qcompile.kernels import wo_mma
+from qcompile.kernels import cuda_driver, wo_mma, wo_policy
 from qcompile.kernels.registry import KernelQuery
 from qcompile.scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, ScaleSpec, WeightSpec
 
@@ -51,53 +51,53 @@ def test_reasons():
 
 
 def test_scale_modes():
-    assert wo_mma.scale_mode(_spec("int4_channel")) == (wo_mma.SMODE_END, 0)
-    assert wo_mma.scale_mode(_spec("int4_g128")) == (wo_mma.SMODE_CHUNK, 128)
-    assert wo_mma.scale_mode(_spec("int4_g64")) == (wo_mma.SMODE_PRE, 64)
-    assert wo_mma.scale_mode(_spec("nvfp4")) == (wo_mma.SMODE_PRE, 16)
-    assert wo_mma.scale_mode(_spec("int8_g128")) == (wo_mma.SMODE_CHUNK, 128)
-    assert wo_mma.scale_mode(_spec("mxfp8")) == (wo_mma.SMODE_PRE, 32)
-    assert wo_mma.scale_mode(_spec("int4_g128"), wgmma=True) == (wo_mma.SMODE_PRE, 128)
+    assert wo_policy.scale_mode(_spec("int4_channel")) == (wo_policy.SMODE_END, 0)
+    assert wo_policy.scale_mode(_spec("int4_g128")) == (wo_policy.SMODE_CHUNK, 128)
+    assert wo_policy.scale_mode(_spec("int4_g64")) == (wo_policy.SMODE_PRE, 64)
+    assert wo_policy.scale_mode(_spec("nvfp4")) == (wo_policy.SMODE_PRE, 16)
+    assert wo_policy.scale_mode(_spec("int8_g128")) == (wo_policy.SMODE_CHUNK, 128)
+    assert wo_policy.scale_mode(_spec("mxfp8")) == (wo_policy.SMODE_PRE, 32)
+    assert wo_policy.scale_mode(_spec("int4_g128"), wgmma=True) == (wo_policy.SMODE_PRE, 128)
 
 
 @pytest.mark.parametrize("m,n,k,bits", [(1, 8192, 8192, 4), (16, 8192, 8192, 4), (32, 28672, 8192, 4),
                                          (1, 4112, 4224, 4), (8, 2048, 8192, 8)])
 def test_plan_covers_k_and_fits_shared_memory(m, n, k, bits):
-    cols, split, cps = wo_mma.plan(m, n, k, bits, warps=4, stages=4, sms=132)
-    nch = k // wo_mma.KPC[bits]
+    cols, split, cps = wo_policy.plan(m, n, k, bits, warps=4, stages=4, sms=132)
+    nch = k // wo_policy.KPC[bits]
     assert cols * 4 * 16 >= n > (cols - 1) * 4 * 16
     assert (split - 1) * cps < nch <= split * cps  # every chunk once, no empty split
-    assert wo_mma.x_bytes(m, cps, bits) <= wo_mma.SMEM_BUDGET
+    assert wo_policy.x_bytes(m, cps, bits) <= wo_mma.SMEM_BUDGET
 
 
 def test_two_tile_candidates():
     """rt_candidates: one 16-warp CTA per SM with two tiles per warp; every (warps per tile, split) whose
     CTAs fit one wave, whose x slice fits RT_SMEM and whose warps stream >= 2 chunks; most CTAs first,
     then fewer splits."""
-    c = wo_mma.rt_candidates(16, 8192, 8192, 4, 132)
+    c = wo_policy.rt_candidates(16, 8192, 8192, 4, 132)
     assert c[:3] == [(128, 4, 2), (128, 2, 4), (128, 1, 8)]  # kw 8 without a split: x 278 KB
-    assert wo_mma.x_bytes(16, 64, 4) > wo_mma.RT_SMEM >= wo_mma.x_bytes(16, 32, 4)
-    assert wo_mma.rt_candidates(9, 8192, 8192, 4, 132)[0] == (128, 8, 1)
-    assert wo_mma.rt_candidates(16, 28672, 8192, 4, 132) == [(112, 1, 2)]
-    assert wo_mma.rt_candidates(16, 57344, 8192, 4, 132) == []
+    assert wo_policy.x_bytes(16, 64, 4) > wo_policy.RT_SMEM >= wo_policy.x_bytes(16, 32, 4)
+    assert wo_policy.rt_candidates(9, 8192, 8192, 4, 132)[0] == (128, 8, 1)
+    assert wo_policy.rt_candidates(16, 28672, 8192, 4, 132) == [(112, 1, 2)]
+    assert wo_policy.rt_candidates(16, 57344, 8192, 4, 132) == []
     for m, n, k, bits in ((16, 8192, 8192, 4), (12, 4096, 14336, 8), (9, 11008, 4096, 4)):
-        nch = k // wo_mma.KPC[bits]
-        for ctas, kw, split in wo_mma.rt_candidates(m, n, k, bits, 132):
+        nch = k // wo_policy.KPC[bits]
+        for ctas, kw, split in wo_policy.rt_candidates(m, n, k, bits, 132):
             cps = -(-nch // split)
             assert ctas == -(-(n // 16) // (16 // kw * 2)) * split <= 132 and -(-nch // cps) == split
-            assert wo_mma.x_bytes(m, cps, bits) <= wo_mma.RT_SMEM and cps >= 2 * kw
+            assert wo_policy.x_bytes(m, cps, bits) <= wo_policy.RT_SMEM and cps >= 2 * kw
 
 
 def test_tile_sharing_plan():
-    """KW warps per 16-row tile: the CTA's columns and split count tiles, not warps; mma_launch takes
+    """KW warps per 16-row tile: the CTA's columns and split count tiles, not warps; tile_sharing takes
     the most warps per tile the SMs' warp slots give every tile, while the split stays <= 2, the CTAs
     fit in one wave and the x slices stay within 90 % of the weight bytes per SM; where the rounded
     split spills into a second wave, no split while each warp streams at most 1.3x the chunks it would
     without shared tiles (sm_90 only)."""
     # 8192^2 int4: 512 tiles, 2 per 16-warp CTA -> 256 CTAs, no split (one warp per tile: 64 columns x split 8)
-    assert wo_mma.plan(1, 8192, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=32, kw=8) == (256, 1, 64)
-    assert wo_mma.plan(1, 8192, 8192, 4, warps=8, stages=2, sms=132, warps_per_sm=32) == (64, 8, 8)
-    launch = {(m, n, k): wo_mma.mma_launch(m, n, k, 4, (9, 0), 132)
+    assert wo_policy.plan(1, 8192, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=32, kw=8) == (256, 1, 64)
+    assert wo_policy.plan(1, 8192, 8192, 4, warps=8, stages=2, sms=132, warps_per_sm=32) == (64, 8, 8)
+    launch = {(m, n, k): wo_policy.tile_sharing(m, n, k, 4, (9, 0), 132)
               for m in (1, 4, 5, 8) for n, k in ((8192, 8192), (4096, 14336), (14336, 4096), (28672, 8192))}
     assert launch == {
         (1, 8192, 8192): (16, 8, None), (4, 8192, 8192): (16, 8, None),  # x 70 KB x 2 CTAs at M = 4
@@ -111,55 +111,55 @@ def test_tile_sharing_plan():
         (8, 28672, 8192): (8, 1, None)}
     # 5120^2: split 2 would need 320 CTAs of 16 warps (264 fit): no split, 5 chunks per warp against 4;
     # 11008x4096: 8 against 6 (over 1.3x), no shared tiles
-    assert wo_mma.mma_launch(1, 5120, 5120, 4, (9, 0), 132) == (16, 8, 1)
-    assert wo_mma.mma_launch(1, 11008, 4096, 4, (9, 0), 132) == (8, 1, None)
-    assert {wo_mma.mma_launch(1, 8192, 8192, 4, cap, 132) for cap in ((8, 0), (10, 0), (12, 0))} == {(8, 1, None)}
+    assert wo_policy.tile_sharing(1, 5120, 5120, 4, (9, 0), 132) == (16, 8, 1)
+    assert wo_policy.tile_sharing(1, 11008, 4096, 4, (9, 0), 132) == (8, 1, None)
+    assert {wo_policy.tile_sharing(1, 8192, 8192, 4, cap, 132) for cap in ((8, 0), (10, 0), (12, 0))} == {(8, 1, None)}
     for m, n, k, bits, warps, kw, rt in ((1, 8192, 8192, 4, 16, 8, 1), (3, 4112, 4224, 4, 8, 4, 1),
                                          (2, 4096, 14336, 8, 16, 16, 1), (16, 4112, 4224, 4, 16, 2, 2),
                                          (16, 8192, 8192, 4, 16, 1, 2)):
-        cols, split, cps = wo_mma.plan(m, n, k, bits, warps, 2, 132, warps_per_sm=32, kw=kw, rt=rt)
+        cols, split, cps = wo_policy.plan(m, n, k, bits, warps, 2, 132, warps_per_sm=32, kw=kw, rt=rt)
         rows = warps // kw * rt * 16  # per CTA
         assert cols * rows >= n > (cols - 1) * rows
-        assert (split - 1) * cps < k // wo_mma.KPC[bits] <= split * cps
+        assert (split - 1) * cps < k // wo_policy.KPC[bits] <= split * cps
     # the partial sums of the other warps of each tile reuse x's shared memory
-    cfg = wo_mma.MmaConfig(0, 0, 1, 128, False, "int", False, False, 2, warps=16, packed=True, kw=8)
-    assert wo_mma._smem(1, 1, cfg) == (16 - 2) * 2 * 512
-    assert wo_mma._smem(16, 64, replace(cfg, cluster=2)) == wo_mma.x_bytes(16, 64, 4)
+    cfg = wo_policy.MmaConfig(0, 0, 1, 128, False, "int", False, False, 2, warps=16, packed=True, kw=8)
+    assert wo_policy.smem_bytes(1, 1, cfg) == (16 - 2) * 2 * 512
+    assert wo_policy.smem_bytes(16, 64, replace(cfg, cluster=2)) == wo_policy.x_bytes(16, 64, 4)
     # two tiles per warp: twice the partials, and a cluster's [M][tile rows] over 32 tiles
-    assert wo_mma._smem(1, 1, replace(cfg, rt=2)) == (16 - 2) * 2 * 2 * 512
-    assert wo_mma._smem(16, 4, replace(cfg, kw=1, rt=2, cluster=8)) == 16 * 32 * 16 * 4 > wo_mma.x_bytes(16, 4, 4)
+    assert wo_policy.smem_bytes(1, 1, replace(cfg, rt=2)) == (16 - 2) * 2 * 2 * 512
+    assert wo_policy.smem_bytes(16, 4, replace(cfg, kw=1, rt=2, cluster=8)) == 16 * 32 * 16 * 4 > wo_policy.x_bytes(16, 4, 4)
     # x streamed: a ring of xstages chunks (rows padded to 288 bytes) per K part, whatever the K range, then
     # a full and an empty mbarrier per slot; on natural-order tiles (g128 here) whole 8-token groups of 256-byte
     # rows as TMA writes them, from a 1024-byte aligned base
     ring = 8 * 4 * 16 * 288
-    assert wo_mma.x_bytes(16, 64, 4, xstages=4, xs_parts=8) == wo_mma.x_bytes(16, 1, 4) * 8 * 4 == ring
+    assert wo_policy.x_bytes(16, 64, 4, xstages=4, xs_parts=8) == wo_policy.x_bytes(16, 1, 4) * 8 * 4 == ring
     g32 = replace(cfg, smode=2, group=32)
     assert cfg.xnat and not g32.xnat
-    assert wo_mma._smem(16, 64, replace(g32, cluster=2, xs=True)) == ring + 16 * 8 * 4
-    assert wo_mma._smem(16, 2, replace(g32, cluster=2, xs=True)) == ring + 16 * 8 * 4
+    assert wo_policy.smem_bytes(16, 64, replace(g32, cluster=2, xs=True)) == ring + 16 * 8 * 4
+    assert wo_policy.smem_bytes(16, 2, replace(g32, cluster=2, xs=True)) == ring + 16 * 8 * 4
     nat = 8 * 4 * 16 * 256 + 1024
-    assert wo_mma.x_bytes(16, 64, 4, xstages=4, xs_parts=8, xnat=True) == nat
-    assert wo_mma.x_bytes(9, 64, 4, xstages=4, xs_parts=8, xnat=True) == nat  # (rows 9..15 zeros from TMA)
-    assert wo_mma._smem(16, 64, replace(cfg, cluster=2, xs=True)) == nat + 16 * 8 * 4
-    assert wo_mma._smem(1, 3, replace(g32, kw=2, rt=2, xs=True, xstages=3)) == (16 - 8) * 2 * 2 * 512 + 16 * 2 * 3
+    assert wo_policy.x_bytes(16, 64, 4, xstages=4, xs_parts=8, xnat=True) == nat
+    assert wo_policy.x_bytes(9, 64, 4, xstages=4, xs_parts=8, xnat=True) == nat  # (rows 9..15 zeros from TMA)
+    assert wo_policy.smem_bytes(16, 64, replace(cfg, cluster=2, xs=True)) == nat + 16 * 8 * 4
+    assert wo_policy.smem_bytes(1, 3, replace(g32, kw=2, rt=2, xs=True, xstages=3)) == (16 - 8) * 2 * 2 * 512 + 16 * 2 * 3
 
 
 def test_x_streamed_candidates_and_policy():
     """rt_candidates with x streamed: no split, the ring (not the K range) within RT_SMEM, most CTAs first; xs_default: tiled
     weights on sm_90 at M = 5..16 where the first candidate fills 80% of the SMs; at two token tiles int4 only
     where each warp streams >= 8 chunks, e2m1 not; int4 on natural-order tiles (x by TMA) at two token tiles
-    wherever there is a candidate (the H100 measurements behind wo_mma.xs_default)."""
-    assert wo_mma.rt_candidates(16, 8192, 8192, 4, 132, xs=True)[:2] == [(128, 8, 1), (64, 4, 1)]  # staged: 278 KB
-    assert wo_mma.rt_candidates(16, 4096, 14336, 4, 132, xs=True)[0] == (64, 8, 1)  # kw 16: a 221 KB ring
-    assert wo_mma.rt_candidates(16, 4096, 14336, 4, 132, xs=True, xnat=True)[0] == (128, 16, 1)  # TMA: 193 KB
-    assert wo_mma.rt_candidates(16, 4096, 14336, 8, 132, xs=True)[0] == (128, 16, 1)
+    wherever there is a candidate (the H100 measurements behind wo_policy.xs_default)."""
+    assert wo_policy.rt_candidates(16, 8192, 8192, 4, 132, xs=True)[:2] == [(128, 8, 1), (64, 4, 1)]  # staged: 278 KB
+    assert wo_policy.rt_candidates(16, 4096, 14336, 4, 132, xs=True)[0] == (64, 8, 1)  # kw 16: a 221 KB ring
+    assert wo_policy.rt_candidates(16, 4096, 14336, 4, 132, xs=True, xnat=True)[0] == (128, 16, 1)  # TMA: 193 KB
+    assert wo_policy.rt_candidates(16, 4096, 14336, 8, 132, xs=True)[0] == (128, 16, 1)
     for m, n, k, bits in ((16, 8192, 8192, 4), (6, 28672, 8192, 8), (12, 4096, 4096, 4)):
-        for ctas, kw, split in wo_mma.rt_candidates(m, n, k, bits, 132, xs=True):
+        for ctas, kw, split in wo_policy.rt_candidates(m, n, k, bits, 132, xs=True):
             assert split == 1 and ctas == -(-(n // 16) // (16 // kw * 2)) <= 132
-            assert wo_mma.x_bytes(m, 1, bits, xstages=wo_mma.XS_SLOTS, xs_parts=kw) <= wo_mma.RT_SMEM
+            assert wo_policy.x_bytes(m, 1, bits, xstages=wo_policy.XS_SLOTS, xs_parts=kw) <= wo_policy.RT_SMEM
 
     def xs(name, m, n, k, cap=(9, 0), tiled=True):
-        return wo_mma.xs_default(replace(SPECS[name], tiled=tiled), m, n, k, cap, 132)
+        return wo_policy.xs_default(replace(SPECS[name], tiled=tiled), m, n, k, cap, 132)
 
     assert all(xs(name, m, 8192, 8192) for name in ("int4_g128", "int8_channel_packed", "mxfp8") for m in (5, 8, 16))
     assert xs("nvfp4", 8, 8192, 8192) and not xs("nvfp4", 9, 8192, 8192)  # 4-bit e2m1 at two token tiles
@@ -226,8 +226,8 @@ def test_selection(monkeypatch):
 def test_wgmma_selection_and_shared_memory():
     # the wgmma build: M >= 25 on sm_90 only (Blackwell has no wgmma; sm_80 neither), up to M = 128
     # (int4: 96, above it the Triton kernel won); elsewhere the mma.sync build up to M = 32
-    assert [m for m in range(1, 40) if wo_mma.wgmma_default(m, (9, 0))] == list(range(25, 40))
-    assert not any(wo_mma.wgmma_default(m, cap) for m in (25, 32, 64) for cap in ((8, 0), (10, 0), (12, 0)))
+    assert [m for m in range(1, 40) if wo_policy.wgmma_default(m, (9, 0))] == list(range(25, 40))
+    assert not any(wo_policy.wgmma_default(m, cap) for m in (25, 32, 64) for cap in ((8, 0), (10, 0), (12, 0)))
     assert {name: wo_mma.max_m(SPECS[name], (9, 0)) for name in ("int4_g128", "int8_channel_packed", "nvfp4")} \
         == {"int4_g128": 96, "int8_channel_packed": 128, "nvfp4": 128}
     # tiled weights: the warp-specialized build from M = 12 (4-bit) / 57 (int8) / 49 (fp8), int4 up to 128,
@@ -235,25 +235,25 @@ def test_wgmma_selection_and_shared_memory():
     tiled = {name: replace(SPECS[name], tiled=True) for name in MMA_NAMES}
     assert wo_mma.max_m(tiled["int4_g128"], (9, 0)) == 128
     def ws(name, m, cap=(9, 0), n=8192, k=8192):
-        return wo_mma.ws_default(tiled[name], m, n, k, cap, 132)
+        return wo_policy.ws_default(tiled[name], m, n, k, cap, 132)
 
     assert [m for m in range(1, 130) if ws("nvfp4", m)] == list(range(17, 129))
     assert [m for m in range(1, 130) if ws("mxfp8", m)] == list(range(49, 129))
     assert [m for m in range(1, 130) if ws("int8_channel_packed", m)] == list(range(57, 129))
     assert {name for name in MMA_NAMES if ws(name, 32)} == {name for name in MMA_NAMES if SPECS[name].dtype.bits == 4}
-    assert not any(wo_mma.ws_default(SPECS[name], 64, 8192, 8192, (9, 0), 132) for name in MMA_NAMES)  # not tiled
+    assert not any(wo_policy.ws_default(SPECS[name], 64, 8192, 8192, (9, 0), 132) for name in MMA_NAMES)  # not tiled
     assert not any(ws("int4_g128", 64, cap) for cap in ((8, 0), (10, 0), (12, 0)))
     # below M = 12, wide weights (one 16-warp column per SM) whose mma.sync x slice (M rows of the CTA's K
     # range) would leave fewer than 4 of its CTAs on an SM (N = 28672, K = 8192 from M = 7: 70 KB at M = 8,
     # 52 KB at M = 6) would take it (_ws_wide), but two tiles per warp run them when they have a launch,
     # and every wide weight from M = 6
-    assert [m for m in range(1, 12) if wo_mma._ws_wide(tiled["int4_g128"], m, 28672, 8192, 132)] == [7, 8, 9, 10, 11]
-    assert wo_mma.x_bytes(6, 32, 4) < wo_mma.SM90_SMEM_PER_SM // 4 < wo_mma.x_bytes(7, 32, 4)
-    assert [m for m in range(1, 9) if wo_mma._ws_wide(tiled["nvfp4"], m, 57344, 8192, 132)] == [4, 5, 7, 8]
+    assert [m for m in range(1, 12) if wo_policy._ws_wide(tiled["int4_g128"], m, 28672, 8192, 132)] == [7, 8, 9, 10, 11]
+    assert wo_policy.x_bytes(6, 32, 4) < wo_policy.SM90_SMEM_PER_SM // 4 < wo_policy.x_bytes(7, 32, 4)
+    assert [m for m in range(1, 9) if wo_policy._ws_wide(tiled["nvfp4"], m, 57344, 8192, 132)] == [4, 5, 7, 8]
     assert not any(ws(name, m, n=n) for name in MMA_NAMES for m in range(1, 12) for n in (28672, 57344))
-    assert [m for m in range(1, 17) if wo_mma.rt_default(tiled["nvfp4"], m, 57344, 8192, (9, 0), 132)] == \
+    assert [m for m in range(1, 17) if wo_policy.rt_default(tiled["nvfp4"], m, 57344, 8192, (9, 0), 132)] == \
         [4, 5, 6, 7, 8, 9, 10, 11]  # from M = 12 the x slice of an unsplit K is over RT_SMEM
-    assert [m for m in range(1, 17) if wo_mma.rt_default(tiled["mxfp8"], m, 28672, 4096, (9, 0), 132)] == \
+    assert [m for m in range(1, 17) if wo_policy.rt_default(tiled["mxfp8"], m, 28672, 4096, (9, 0), 132)] == \
         list(range(6, 17))
     assert not any(ws(name, m, n=n, k=k) for name in ("int4_g128", "nvfp4") for m in range(1, 12)
                    for n, k in ((8192, 8192), (28672, 4096), (4096, 14336), (14336, 4096), (8192, 28672)))
@@ -264,7 +264,7 @@ def test_wgmma_selection_and_shared_memory():
     assert [m for m in range(1, 57) if ws("int8_channel_packed", m, n=28672)] == list(range(17, 57))
     assert [m for m in range(1, 49) if ws("mxfp8", m, n=57344)] == list(range(13, 49))
     assert not any(ws(name, m, n=14336, k=4096) for name in ("int8_channel_packed", "mxfp8") for m in range(17, 49))
-    rt = wo_mma.rt_default
+    rt = wo_policy.rt_default
     assert [m for m in range(1, 40) if rt(tiled["int4_g128"], m, 8192, 8192, (9, 0), 132)] == list(range(9, 17))
     assert not any(rt(spec, 16, 8192, 8192, cap, 132) for spec, cap in ((SPECS["int4_g128"], (9, 0)),
                                                                         (tiled["int4_g128"], (8, 0)),
@@ -272,59 +272,59 @@ def test_wgmma_selection_and_shared_memory():
     assert not any(ws("int8_channel_packed", m) for m in range(1, 57))
     # early launch_dependents: the mma.sync build on tiled weights; the warp-specialized one but at M > 16
     # with K > 8192; not the lock-step wgmma build, nor canonical words
-    trig = wo_mma.trig_default
+    trig = wo_policy.trig_default
     assert [trig(True, False, False, m, k) for m, k in ((1, 8192), (32, 28672))] == [True, True]
     assert not trig(False, False, False, 1, 8192) and not trig(True, True, False, 32, 8192)
     assert [trig(True, True, True, m, k) for m, k in ((64, 8192), (16, 14336), (17, 14336), (128, 4096))] \
         == [True, True, False, True]
     # its launch: 2 warpgroups above M = 64; 4 when N fills most SMs without a split; else 1, 2 per SM
-    assert [wo_mma.ws_launch(m, n, 132) for m, n in ((12, 8192), (64, 8192), (64, 28672), (65, 28672), (128, 4096))] \
+    assert [wo_policy.ws_launch(m, n, 132) for m, n in ((12, 8192), (64, 8192), (64, 28672), (65, 28672), (128, 4096))] \
         == [(4, 2), (4, 2), (16, 1), (8, 1), (8, 1)]
-    assert wo_mma.ws_launch(64, 8192, 132, QDtype.INT4) == (4, 2)
+    assert wo_policy.ws_launch(64, 8192, 132, QDtype.INT4) == (4, 2)
     # 8-bit weights: 2 warpgroups on wide weights up to M = 64, MXFP8 4 elsewhere; int8 above M = 64 one
     # warpgroup, 2 CTAs per SM
-    launches = {dt: [wo_mma.ws_launch(m, n, 132, dt) for m, n in ((17, 28672), (64, 28672), (64, 8192), (65, 8192),
+    launches = {dt: [wo_policy.ws_launch(m, n, 132, dt) for m, n in ((17, 28672), (64, 28672), (64, 8192), (65, 8192),
                                                                    (128, 28672))]
                 for dt in (QDtype.INT8, QDtype.FP8_E4M3)}
     assert launches == {QDtype.INT8: [(8, 1), (8, 1), (4, 2), (4, 2), (4, 2)],
                         QDtype.FP8_E4M3: [(8, 1), (8, 1), (16, 1), (8, 1), (8, 1)]}
     assert {wo_mma.max_m(SPECS[name], cap) for name in MMA_NAMES for cap in ((8, 0), (10, 0), (12, 0))} == {32}
     # launch: 16 warps, one CTA per SM; 8 for 4-bit weights above M = 64 (16 spilled there)
-    assert [wo_mma.wgmma_launch(4, m) for m in (25, 64, 65, 128)] == [(16, 16), (16, 16), (8, 8), (8, 8)]
-    assert {wo_mma.wgmma_launch(8, m) for m in (25, 56, 64, 96, 128)} == {(16, 16)}
+    assert [wo_policy.wgmma_launch(4, m) for m in (25, 64, 65, 128)] == [(16, 16), (16, 16), (8, 8), (8, 8)]
+    assert {wo_policy.wgmma_launch(8, m) for m in (25, 56, 64, 96, 128)} == {(16, 16)}
     # x streams through a fixed ring: its shared memory does not grow with the K range, so the plan
     # never raises the split to fit it (the mma.sync build's whole-range x needs a split of 7 there)
-    ring = wo_mma.x_bytes(32, 1, 4, wgmma=True)
-    assert ring == 2 * 32 * 256 + 4 * 32 * 272 == wo_mma.x_bytes(32, 64, 4, wgmma=True)
-    assert wo_mma.plan(32, 28672, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16, wgmma=True)[1] == 1
-    assert wo_mma.plan(32, 28672, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16)[1] == 7
-    assert wo_mma.plan(32, 8192, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16, wgmma=True)[1] == 4
+    ring = wo_policy.x_bytes(32, 1, 4, wgmma=True)
+    assert ring == 2 * 32 * 256 + 4 * 32 * 272 == wo_policy.x_bytes(32, 64, 4, wgmma=True)
+    assert wo_policy.plan(32, 28672, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16, wgmma=True)[1] == 1
+    assert wo_policy.plan(32, 28672, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16)[1] == 7
+    assert wo_policy.plan(32, 8192, 8192, 4, warps=16, stages=2, sms=132, warps_per_sm=16, wgmma=True)[1] == 4
     # the warp-specialized build's rings: 8 weight slots of 1 KB per warp, 4 x slots of one chunk; x's slots
     # aligned to 1024 bytes where x comes by TMA (natural-order tiles, int4 g128), not for NVFP4
-    cfg = wo_mma.MmaConfig(0, 0, 2, 128, False, "int", False, False, 8, warps=4, wgmma=True, ws=True, packed=True)
-    assert cfg.threads == 192 and cfg.xnat and wo_mma._smem(64, 32, cfg) == 8 * 4 * 1024 + 4 * 64 * 128 * 2 + 1024
+    cfg = wo_policy.MmaConfig(0, 0, 2, 128, False, "int", False, False, 8, warps=4, wgmma=True, ws=True, packed=True)
+    assert cfg.threads == 192 and cfg.xnat and wo_policy.smem_bytes(64, 32, cfg) == 8 * 4 * 1024 + 4 * 64 * 128 * 2 + 1024
     fp4 = replace(cfg, fmt=1, sk=1, group=16)
-    assert not fp4.xnat and wo_mma._smem(64, 32, fp4) == 8 * 4 * 1024 + 4 * 64 * 128 * 2
-    assert wo_mma._smem(64, 32, replace(cfg, cluster=2)) == wo_mma._smem(64, 32, cfg)  # partials fit the rings
+    assert not fp4.xnat and wo_policy.smem_bytes(64, 32, fp4) == 8 * 4 * 1024 + 4 * 64 * 128 * 2
+    assert wo_policy.smem_bytes(64, 32, replace(cfg, cluster=2)) == wo_policy.smem_bytes(64, 32, cfg)  # partials fit the rings
 
 
 def test_row_blocks():
     # above max_m on sm_90 (128 rows; 96 for int4 weights not tiled): blocks of max_m rows, the rest last;
     # none elsewhere, nor above BLOCKED_MAX_M (int4 512, the others 384)
     tiled = replace(SPECS["int4_g128"], tiled=True)
-    blocks = {m: wo_mma.row_blocks(tiled, m, (9, 0)) for m in (128, 129, 200, 256, 257, 300, 512, 513)}
+    blocks = {m: wo_policy.row_blocks(tiled, m, (9, 0)) for m in (128, 129, 200, 256, 257, 300, 512, 513)}
     assert blocks == {128: None, 129: [128, 1], 200: [128, 72], 256: [128, 128], 257: [128, 128, 1],
                       300: [128, 128, 44], 512: [128] * 4, 513: None}
-    assert wo_mma.row_blocks(SPECS["int4_g128"], 200, (9, 0)) == [96, 96, 8]
-    assert wo_mma.row_blocks(replace(SPECS["nvfp4"], tiled=True), 385, (9, 0)) is None
+    assert wo_policy.row_blocks(SPECS["int4_g128"], 200, (9, 0)) == [96, 96, 8]
+    assert wo_policy.row_blocks(replace(SPECS["nvfp4"], tiled=True), 385, (9, 0)) is None
     for name in MMA_NAMES:
         spec = replace(SPECS[name], tiled=True)
-        top, limit = wo_mma.max_m(spec, (9, 0)), wo_mma.BLOCKED_MAX_M[spec.dtype]
+        top, limit = wo_mma.max_m(spec, (9, 0)), wo_policy.BLOCKED_MAX_M[spec.dtype]
         for m in range(top + 1, limit + 1, 7):
-            b = wo_mma.row_blocks(spec, m, (9, 0))
+            b = wo_policy.row_blocks(spec, m, (9, 0))
             assert sum(b) == m and b[:-1] == [top] * (len(b) - 1) and len(b) == -(-m // top), (name, m, b)
-        assert wo_mma.row_blocks(spec, limit + 1, (9, 0)) is None
-        assert not any(wo_mma.row_blocks(spec, 200, cap) for cap in ((8, 0), (10, 0), (12, 0)))
+        assert wo_policy.row_blocks(spec, limit + 1, (9, 0)) is None
+        assert not any(wo_policy.row_blocks(spec, 200, cap) for cap in ((8, 0), (10, 0), (12, 0)))
 
 
 NVRTC = os.environ.get("QCOMPILE_NVRTC")
@@ -339,8 +339,8 @@ NVRTC = os.environ.get("QCOMPILE_NVRTC")
 @pytest.mark.parametrize("trig", [False, True])
 def test_source_compiles(name, mt, cluster, pdl, wgmma, arch, ws, trig):
     spec = SPECS[name]
-    smode, group = wo_mma.scale_mode(spec, wgmma)
-    cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
+    smode, group = wo_policy.scale_mode(spec, wgmma)
+    cfg = wo_policy.MmaConfig(wo_policy.FMT[(spec.dtype, spec.packing)], wo_policy.SK[spec.scale.dtype], smode, group,
                            spec.zero_point, "int", spec.global_scale, True, mt, warps=8, cluster=cluster, pdl=pdl,
                            wgmma=wgmma, packed=ws, ws=ws, trig=trig, kw=4 if mt == 2 else 1)
     cubin = wo_mma.compile_cubin(wo_mma.source(cfg), wo_mma.arch_of(cfg, int(arch[0]), int(arch[1])))
@@ -353,14 +353,14 @@ def test_source_compiles_x_streamed(name):
     """x streamed in (XS, sm_90): with two tiles per warp and shared tiles reduced in a cluster, one tile per
     warp reduced through global memory, 4 token tiles; refused with the wgmma builds."""
     spec = SPECS[name]
-    smode, group = wo_mma.scale_mode(spec)
-    cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
+    smode, group = wo_policy.scale_mode(spec)
+    cfg = wo_policy.MmaConfig(wo_policy.FMT[(spec.dtype, spec.packing)], wo_policy.SK[spec.scale.dtype], smode, group,
                            spec.zero_point, "int", spec.global_scale, True, 2, warps=16, cluster=2, pdl=True,
                            packed=True, kw=4, rt=2, xs=True)
     for c in (cfg, replace(cfg, mt=1, kw=1, rt=1, cluster=1, warps=8, packed=False), replace(cfg, mt=4, rt=1)):
         assert wo_mma.compile_cubin(wo_mma.source(c), "90")[:4] == b"\x7fELF"
     with pytest.raises(RuntimeError, match="XS: the mma.sync build"):
-        wo_mma.compile_cubin(wo_mma.source(replace(cfg, kw=1, rt=1, wgmma=True, smode=wo_mma.scale_mode(spec, True)[0])),
+        wo_mma.compile_cubin(wo_mma.source(replace(cfg, kw=1, rt=1, wgmma=True, smode=wo_policy.scale_mode(spec, True)[0])),
                              "90a")
 
 
@@ -373,18 +373,18 @@ def test_source_compiles_fp16(name):
     """fp16 x (XF16): the mma.sync build (shared tiles, clusters), the lock-step and warp-specialized
     wgmma builds; MX weights refuse it at compile time."""
     spec = SPECS[name]
-    smode, group = wo_mma.scale_mode(spec)
-    cfg = wo_mma.MmaConfig(wo_mma.FMT[(spec.dtype, spec.packing)], wo_mma.SK[spec.scale.dtype], smode, group,
+    smode, group = wo_policy.scale_mode(spec)
+    cfg = wo_policy.MmaConfig(wo_policy.FMT[(spec.dtype, spec.packing)], wo_policy.SK[spec.scale.dtype], smode, group,
                            spec.zero_point, "int", spec.global_scale, True, 2, warps=8, cluster=2, pdl=True,
                            packed=True, kw=4, xf16=True)
     assert wo_mma.compile_cubin(wo_mma.source(cfg), "90")[:4] == b"\x7fELF"
-    wg_smode = wo_mma.scale_mode(spec, True)[0]
+    wg_smode = wo_policy.scale_mode(spec, True)[0]
     for ws in (False, True):
         wcfg = replace(cfg, kw=1, warps=4, wgmma=True, ws=ws, smode=wg_smode, stages=2)
         assert wo_mma.compile_cubin(wo_mma.source(wcfg), "90a")[:4] == b"\x7fELF"
     mx = SPECS["mxfp4"]
     with pytest.raises(RuntimeError, match="fp16 x: weights other than MX"):
-        mx_cfg = replace(cfg, sk=wo_mma.SK[mx.scale.dtype], fmt=wo_mma.FMT[(mx.dtype, mx.packing)])
+        mx_cfg = replace(cfg, sk=wo_policy.SK[mx.scale.dtype], fmt=wo_policy.FMT[(mx.dtype, mx.packing)])
         wo_mma.compile_cubin(wo_mma.source(mx_cfg), "90")
 
 
@@ -503,14 +503,14 @@ def test_gpu_ws_matches_reference(name, n, k):
 @pytest.mark.parametrize("n,k", ((4096, 4096), (4112, 4224)), ids=str)
 @pytest.mark.parametrize("name", MMA_NAMES)
 def test_gpu_mma_row_blocks(name, n, k):
-    """M above 128 through the op's mma backend on tiled weights: row blocks (wo_mma.row_blocks; the last one a
+    """M above 128 through the op's mma backend on tiled weights: row blocks (wo_policy.row_blocks; the last one a
     single row at M = 129, not a whole token tile at 300) written into one output, against the reference (bias
     where the case has one), deterministic. A NaN tensor of the output's size is freed just before, so the
     caching allocator hands its block to the output and a row no launch wrote fails the check."""
     for i, m in enumerate((129, 200, 300)):
         case = _wo_mma_case(name, m, n, k, torch.bfloat16, i)
         x, w, s, gs, zp, bias, sp = _wo_mma_args(case, True)
-        assert wo_mma.row_blocks(sp, m, (9, 0)), (name, m)
+        assert wo_policy.row_blocks(sp, m, (9, 0)), (name, m)
         torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # in the allocator's cache
         out = wg._mma(x, w, s, gs, zp, None, bias, sp)
         _check(out, case, k, f"{name} M={m} row blocks")
@@ -532,7 +532,7 @@ def test_gpu_mma_forced_splits_and_determinism(name):
                 kw = dict(stages=stages, warps=warps, split=split, max_cluster=cl)
                 _matches(case, a, k, f"{name} M={m} {kw} tiled={a is tiled}", **kw)
         # the cluster reduction did run: 4096 / 128 CTA columns of clusters fit on any sm_90
-        assert {v[0].cluster for v in wo_mma._PLANS.values()} >= {3, 7, 8}
+        assert {v.cfg.cluster for v in wo_policy._PLANS.values() if v is not None} >= {3, 7, 8}
 
 
 @pytest.mark.gpu
@@ -571,7 +571,7 @@ def test_gpu_mma_x_streamed(name, n, k):
                 dict(split=3, max_cluster=1), dict(rt=2, kw=2, split=3, max_cluster=1), dict(split=1, stages=4),
                 dict(rt=2, kw=8, warps=16, split=1, xstages=3))
     spec = SPECS[name]
-    nch = k // wo_mma.KPC[spec.dtype.bits]
+    nch = k // wo_policy.KPC[spec.dtype.bits]
     for i, m in enumerate((1, 3, 8, 9, 16, 32)):
         dtype = torch.float16 if i == 2 and name in FP16_NAMES else torch.bfloat16
         case = _wo_mma_case(name, m, n, k, dtype, 60 + i)
@@ -579,7 +579,7 @@ def test_gpu_mma_x_streamed(name, n, k):
             args = _wo_mma_args(case, (i + j) % 2 == 0)
             what = f"{name} M={m} {launch} tiled={(i + j) % 2 == 0} {dtype}"
             out = _matches(case, args, k, what, xs=True, **launch)
-            if wo_mma.x_bytes(m, -(-nch // launch["split"]), spec.dtype.bits) <= wo_mma.RT_SMEM:
+            if wo_policy.x_bytes(m, -(-nch // launch["split"]), spec.dtype.bits) <= wo_policy.RT_SMEM:
                 staged = {a: b for a, b in launch.items() if a != "xstages"}
                 assert torch.equal(out, wo_mma.wo_mma(*args, xs=False, wgmma=False, **staged)), what
 
@@ -602,7 +602,7 @@ def test_gpu_mma_fp16_matches_reference(name, n, k):
         args = _wo_mma_args(case, True)
         tiled = dict(case, weight=args[1], scheme=QuantScheme(args[-1]).key)
         _check(torch.ops.qcompile.wo_linear(*op_args(tiled, "mma")), case, k, f"{name} fp16 M={m} tiled op")
-        if m > wo_mma.MAX_M:
+        if m > wo_policy.MAX_M:
             continue
         launch = launches[i % len(launches)]
         out = _matches(case, args, k, f"{name} fp16 M={m} tiled {launch}", **launch)
@@ -612,7 +612,7 @@ def test_gpu_mma_fp16_matches_reference(name, n, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (tile sharing is chosen there)")
 def test_gpu_mma_default_launch_policy(monkeypatch):
-    """The default launch on tiled weights (wo_mma.default_launch, H100): warps share tiles in place of a
+    """The default launch on tiled weights (wo_policy.default_launch, H100): warps share tiles in place of a
     split reduced through global memory (4096^2 M = 1: split 16), or in a cluster from M = 5
     (14336x4096 M = 8); not where the x slices would not fit (4096^2 M = 8), nor below M = 5 in a
     cluster (14336x4096 M = 1). Shared-tile launches and cluster plans are compiled for the CTAs per SM
@@ -624,19 +624,19 @@ def test_gpu_mma_default_launch_policy(monkeypatch):
     reference."""
     spec = replace(SPECS["int4_g128"], tiled=True)
     launched = []
-    default = wo_mma.default_launch
-    monkeypatch.setattr(wo_mma, "default_launch", lambda *a, **k: launched.append(default(*a, **k)) or launched[-1])
+    default = wo_policy.default_launch
+    monkeypatch.setattr(wo_policy, "default_launch", lambda *a, **k: launched.append(default(*a, **k)) or launched[-1])
     streamed = {}
     for m, n, k in ((8, 4096, 4096), (8, 14336, 4096), (12, 8192, 8192), (16, 4096, 4096)):
         case = _gpu_case("int4_g128", m, n, k, torch.bfloat16, seed=4)
         out = wo_mma.wo_mma(case["x"], quant_math.tile_weight(case["weight"], spec), case["weight_scale"], None, None,
                             case["bias"], spec)
         _check(out, case, k, f"M={m} {n}x{k} xs")
-        cfg, split = launched[-1][0], launched[-1][3]
+        cfg, split = launched[-1].cfg, launched[-1].split
         streamed[(m, n)] = (cfg.xs, cfg.kw, cfg.rt, split)
     assert streamed == {(8, 4096): (True, 16, 2, 1), (8, 14336): (True, 4, 2, 1), (12, 8192): (True, 8, 2, 1),
                         (16, 4096): (True, 16, 2, 1)}
-    monkeypatch.setattr(wo_mma, "xs_default", lambda *a: False)
+    monkeypatch.setattr(wo_policy, "xs_default", lambda *a: False)
     chosen = {}
     for m, n, k in ((1, 4096, 4096), (8, 4096, 4096), (1, 14336, 4096), (8, 14336, 4096), (16, 4096, 4096),
                     (12, 8192, 8192), (8, 28672, 4096)):
@@ -644,7 +644,7 @@ def test_gpu_mma_default_launch_policy(monkeypatch):
         out = wo_mma.wo_mma(case["x"], quant_math.tile_weight(case["weight"], spec), case["weight_scale"], None, None,
                             case["bias"], spec)
         _check(out, case, k, f"M={m} {n}x{k}")
-        cfg, split = launched[-1][0], launched[-1][3]
+        cfg, split = launched[-1].cfg, launched[-1].split
         chosen[(m, n)] = (cfg.kw, cfg.warps, split, cfg.cluster, cfg.minb)
         assert cfg.rt == (2 if m > 8 or n == 28672 else 1)
     assert chosen[(1, 4096)] == (16, 16, 1, 1, 2)
@@ -753,7 +753,7 @@ def _counter_values(n):
     from torch.cuda._utils import _get_gpu_runtime_library
 
     torch.cuda.synchronize()
-    ptr, size = wo_mma._COUNTERS[(torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)]
+    ptr, size = cuda_driver._COUNTERS[(torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)]
     host = (ctypes.c_int * n)()
     assert _get_gpu_runtime_library().cuMemcpyDtoH_v2(host, ptr, ctypes.c_size_t(4 * n)) == 0
     return list(host)
@@ -796,8 +796,8 @@ def test_gpu_tma_x_on_two_streams():
 def test_gpu_mma_capture_takes_spare_counters(monkeypatch):
     """A graph captured on a stream without split-K counters takes the zeroed spare buffer that an eager
     call set aside (no zeroing captured before each launch); its replays match eager bit for bit."""
-    monkeypatch.setattr(wo_mma, "_COUNTERS", {})
-    monkeypatch.setattr(wo_mma, "_SPARE", {})
+    monkeypatch.setattr(cuda_driver, "_COUNTERS", {})
+    monkeypatch.setattr(cuda_driver, "_SPARE", {})
     case = _gpu_case("int4_g128", 8, 4096, 4096, torch.bfloat16, seed=7)
     spec = wg.parse_scheme_key(case["scheme"]).weight
 
@@ -807,12 +807,12 @@ def test_gpu_mma_capture_takes_spare_counters(monkeypatch):
 
     want = call()
     idx = torch.cuda.current_device()
-    assert idx in wo_mma._SPARE
+    assert idx in cuda_driver._SPARE
     s = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=s):
         got = call()
-    assert (idx, s.cuda_stream) in wo_mma._COUNTERS and idx not in wo_mma._SPARE
+    assert (idx, s.cuda_stream) in cuda_driver._COUNTERS and idx not in cuda_driver._SPARE
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

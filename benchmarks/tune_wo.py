@@ -1,0 +1,93 @@
+"""Measure the launch choices of qcompile::wo_linear's mma backend for a list of shapes and write the table
+that ships with the package (qcompile/kernels/tuned/<GPU name>.json).
+
+For each format x (N, K) x M: every candidate route of wo_tune.candidates on a tiled weight (the layout
+the kernel gets after loading), timed with the L2 cache flushed; the winner goes into the table. Printed per
+row: the policy's and the chosen route's µs and each as % of the weight-read floor (weight bytes over the
+copy bandwidth measured at the start of the run).
+
+    python benchmarks/tune_wo.py --formats "int4 g128" nvfp4 --out qcompile/kernels/tuned/
+    python benchmarks/tune_wo.py --shapes 4096x4096 --m 1 16 --out /tmp/t  # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_wo_linear import FORMATS, random_weights, weight_bytes  # noqa: E402
+
+from qcompile.kernels import quant_math, wo_gemm, wo_tune  # noqa: E402
+
+# (N, K) of the linear layers of Llama-3.1-8B, Llama-3.1-70B at TP = 8, Qwen2.5-7B and Mistral-Nemo-12B
+SHAPES = ("6144x4096", "4096x4096", "28672x4096", "4096x14336", "1280x8192", "8192x1024", "7168x8192", "8192x3584",
+          "4608x3584", "3584x3584", "37888x3584", "3584x18944", "5120x5120", "6144x5120")
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + write) of ``nbytes``."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = wo_tune.timer(lambda: b.copy_(a), reps=10)
+    return 2 * nbytes / (us * 1e-6)
+
+
+def tune_shape(spec, n: int, k: int, ms, g: torch.Generator, bw: float, reps: int) -> dict[str, dict]:
+    """Table entries of one format and shape, one per M."""
+    tiled = replace(spec, tiled=True)
+    q = random_weights(spec, n, k, g)
+    w = quant_math.tile_weight(q["weight"], tiled)
+    floor = weight_bytes(q) / bw * 1e6
+    entries = {}
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        times = wo_gemm.tune_call(x, w, q["weight_scale"], q["weight_global_scale"], None, None, None, tiled,
+                                  reps=reps, keep=False)
+        choice = wo_tune.best(times)
+        policy = times[wo_tune.Choice("policy")]
+        entries[wo_tune.key_of(tiled, x.dtype, n, k, m)] = {**choice.to_json(), "us": round(times[choice], 2),
+                                                            "policy_us": round(policy, 2)}
+        print(f"{n}x{k} M={m:<5} policy {policy:8.1f} µs ({100 * floor / policy:5.1f} % of floor)   "
+              f"chosen {times[choice]:8.1f} µs ({100 * floor / times[choice]:5.1f} %)  {choice.to_json()}",
+              flush=True)
+    return entries
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), help="N x K (default: %(default)s)")
+    p.add_argument("--m", nargs="+", type=int, default=list(wo_tune.M_BUCKETS), help="M of each bucket")
+    p.add_argument("--reps", type=int, default=20, help="timed calls per candidate (median)")
+    p.add_argument("--out", type=Path, default=wo_tune.SHIPPED, help="folder of the tables (default: %(default)s)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    bad = [m for m in args.m if wo_tune.m_bucket(m) != m]
+    if bad:
+        p.error(f"--m {bad}: each M must be one of the buckets {wo_tune.M_BUCKETS}")
+    name = torch.cuda.get_device_name()
+    path = args.out / wo_tune.file_name(name)
+    entries = json.loads(path.read_text())["entries"] if path.is_file() else {}
+    bw = copy_bandwidth()
+    print(f"{name}: copy bandwidth {bw / 1e12:.2f} TB/s (the floor: weight bytes at that rate)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for fmt in args.formats:
+        print(f"-- {fmt}")
+        for shape in args.shapes:
+            n, k = map(int, shape.lower().split("x"))
+            entries.update(tune_shape(FORMATS[fmt], n, k, args.m, g, bw, args.reps))
+            torch.cuda.empty_cache()
+        wo_tune.write_table(path, name, entries)
+    print(f"wrote {path} ({len(entries)} entries)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
