@@ -191,9 +191,14 @@ def can_measure(x: torch.Tensor) -> bool:
 
 # -- measuring -------------------------------------------------------------------------------------
 
+HOST_COVER_CYCLES = 2_000_000  # a GPU spin (about 1 ms) that hides the host's launch work from the events
+
+
 def timer(fn, reps: int = 20) -> float:
-    """Median µs of ``fn`` with the L2 cache flushed before each call (weights come from memory, as in a
-    model's forward)."""
+    """Median GPU µs of ``fn`` with the L2 cache flushed before each call (weights come from memory, as in a
+    model's forward). A spin kernel before the start event keeps the GPU busy while the host enqueues ``fn``,
+    so the events time the kernels alone, as a CUDA-graph replay runs them (without it the op's Python launch
+    work, tens of µs, would be timed too)."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     flush = torch.empty(2 * max(props.L2_cache_size, 1 << 20), dtype=torch.uint8, device="cuda")
     fn()
@@ -201,6 +206,7 @@ def timer(fn, reps: int = 20) -> float:
     for _ in range(reps):
         flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HOST_COVER_CYCLES)
         start.record()
         fn()
         end.record()
