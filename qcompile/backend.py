@@ -106,10 +106,15 @@ class QCompileBackend:
             from torch._dynamo.backends.registry import lookup_backend
             return lookup_backend("aot_eager")(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.decomposition import select_decomp_table
+
+        from .kernels import fp8
         patches = dict(self.options.inductor_config)
         if self.options.cudagraphs:
             patches["triton.cudagraphs"] = True
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        # kernels whose op inductor replaces by graph ops (fp8_inductor), so they fuse with their neighbours
+        return compile_fx(gm, example_inputs, config_patches=patches,
+                          decompositions={**select_decomp_table(), **fp8.DECOMPOSITIONS})
 
     def explain(self) -> str:
         return format_explain(self.rows)

@@ -39,6 +39,7 @@ from .registry import Kernel, KernelQuery, cuda_reason, register
 
 OP = "qcompile::fp8_linear"
 BACKENDS = ("emulated", "scaled_mm", "flashinfer")
+IN_GRAPH_OP = "qcompile::fp8_linear_in_graph"  # the same math as graph ops for inductor (fp8_inductor)
 
 # Below this many rows, channel / per-token scales go through a TensorWise GEMM + epilogue instead
 # of RowWise _scaled_mm. H100, N=K=8192, channel x dynamic token end to end (docs/kernels-fp8.md):
@@ -176,6 +177,37 @@ def _scaled_mm_block(x2, weight, weight_scale, input_scale, bias, spec, out_dtyp
     return out if bias is None else fq.scale_epilogue(out, None, None, bias, out_dtype)
 
 
+def _in_graph(x2, weight, weight_scale, input_scale, bias, spec, out_dtype):
+    """Activation quantization and ``torch._scaled_mm`` as plain aten ops (tensor / channel weights x
+    static or dynamic tensor / token activations). Under inductor the op is replaced by these ops
+    (:data:`DECOMPOSITIONS`), so the quantization fuses into the kernel that produces x (RMSNorm, SiLU * up)
+    and the small-M scale epilogue into the kernel that consumes the output; run as an op (eager,
+    aot_eager) it computes the same."""
+    m, n = x2.shape[0], weight.shape[0]
+    act = spec.act
+    per_token = act.scale.granularity is Granularity.TOKEN
+    per_channel = spec.weight.scale.granularity is Granularity.CHANNEL
+    if act.dynamic:
+        amax = x2.abs().amax(dim=-1, keepdim=True) if per_token else x2.abs().amax().reshape(1, 1)
+        xs = quant_math.fp8_scale_from_amax(amax.float())
+    else:
+        xs = input_scale.float().reshape(1, 1)
+    xq = (x2.float() / xs).clamp(-quant_math.FP8_MAX, quant_math.FP8_MAX).to(quant_math.FP8)
+    ws = weight_scale.float()
+    if not (per_token or per_channel):
+        return torch._scaled_mm(xq, weight.t(), xs.reshape(()), ws.reshape(()),
+                                bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)
+    if m < ROWWISE_MIN_M:  # TensorWise GEMM, the scales (and bias) as a pointwise epilogue
+        one = torch.ones((), dtype=torch.float32, device=x2.device)
+        acc = torch._scaled_mm(xq, weight.t(), one, one, out_dtype=torch.float32)
+        y = acc * xs * ws.reshape(1, -1)
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+    sa = xs if per_token else xs.expand(m, 1).contiguous()
+    sb = ws.reshape(1, n) if per_channel else ws.reshape(1, 1).expand(1, n).contiguous()
+    return torch._scaled_mm(xq, weight.t(), sa, sb, bias=None if bias is None else bias.to(out_dtype),
+                            out_dtype=out_dtype)
+
+
 def _block_scale_b(weight_scale: torch.Tensor) -> torch.Tensor:
     """scale_b for BlockWise128x128 on mat_b = weight.t(): torch 2.11 wants [round_up(K/128, 4), N/128]
     with strides (1, round_up(K/128, 4)), i.e. the transpose of [N/128, K/128] padded to a multiple
@@ -229,6 +261,30 @@ def _(x, weight, weight_scale, input_scale, bias, scheme, backend):
 register_straight_through(OP)
 
 
+@torch.library.custom_op(IN_GRAPH_OP, mutates_args=())
+def fp8_linear_in_graph(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        input_scale: torch.Tensor | None, bias: torch.Tensor | None, scheme: str) -> torch.Tensor:
+    """``fp8_linear``'s tensor / token recipes as :func:`_in_graph`; inductor decomposes it into those ops."""
+    spec = parse_scheme_key(scheme)
+    _validate(x, weight, weight_scale, input_scale, spec, scheme)
+    return _decompose(x, weight, weight_scale, input_scale, bias, scheme)
+
+
+@fp8_linear_in_graph.register_fake
+def _(x, weight, weight_scale, input_scale, bias, scheme):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _decompose(x, weight, weight_scale, input_scale, bias, scheme):
+    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
+    out = _in_graph(x.reshape(-1, k), weight, weight_scale, input_scale, bias, parse_scheme_key(scheme), x.dtype)
+    return out.reshape(*lead, n)
+
+
+register_straight_through(IN_GRAPH_OP)
+DECOMPOSITIONS = {torch.ops.qcompile.fp8_linear_in_graph.default: _decompose}  # for inductor (qcompile.backend)
+
+
 # -- registry ------------------------------------------------------------------------------------
 
 def _cap(c: tuple[int, int] | None) -> str:
@@ -269,6 +325,18 @@ def check_scaled_mm(q: KernelQuery) -> str | None:
     return None
 
 
+def check_inductor(q: KernelQuery) -> str | None:
+    why = fp8_w8a8_reason(q.scheme)
+    if why:
+        return why
+    w, a = q.scheme.weight.scale.granularity, q.scheme.act.scale.granularity
+    if w is Granularity.BLOCK or a is Granularity.GROUP:
+        return f"no block / group recipe (weight {w.value}, activation {a.value})"
+    if q.device == "cuda":
+        return cuda_reason(q, (8, 9)) or (f"N={q.n}, K={q.k} not multiples of 16" if q.n % 16 or q.k % 16 else None)
+    return None if q.device == "cpu" else f"runs on CUDA and CPU, not {q.device}"
+
+
 def check_flashinfer(q: KernelQuery) -> str | None:
     why = _cuda_reason(q)
     if why:
@@ -292,6 +360,10 @@ def check_emulated(q: KernelQuery) -> str | None:
 FP8_SCALED_MM = register(Kernel(
     name="fp8_scaled_mm", op=OP, backend="scaled_mm", priority=30, check=check_scaled_mm, computes=fp8_w8a8_reason,
     description="Triton activation quant + torch._scaled_mm (tensor/row-wise) or F.scaled_mm (block, sm_90)",
+))
+FP8_INDUCTOR = register(Kernel(
+    name="fp8_inductor", op=IN_GRAPH_OP, backend="", priority=25, check=check_inductor, computes=fp8_w8a8_reason,
+    description="activation quant + torch._scaled_mm as graph ops: inductor fuses the quant into x's producer",
 ))
 FP8_FLASHINFER = register(Kernel(
     name="fp8_flashinfer", op=OP, backend="flashinfer", priority=20, check=check_flashinfer,
