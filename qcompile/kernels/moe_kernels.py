@@ -268,35 +268,14 @@ if HAS_TRITON:
         return _scale_from_amax(amax, INT8)
 
     @triton.jit
-    def _moe_gemm_kernel(
-            a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, ids_ptr, experts_ptr, route_ptr,
-            N, K, P, E, A_DIV, UP, k_split,
-            stride_am, stride_asm, stride_asg, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-            stride_os, stride_om,
-            W_INT8: tl.constexpr, W_GRAN: tl.constexpr, A_GRAN: tl.constexpr, A_MODE: tl.constexpr,
-            GATED: tl.constexpr, ACT: tl.constexpr, ROUTE: tl.constexpr, PER_PAIR: tl.constexpr,
-            SWAP: tl.constexpr, NATIVE_FP8: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # grid (row blocks or pairs, cdiv(N, BLOCK_N), split_k). Rows: pairs of one expert (sorted_ids),
-        # or the pair pid_m alone (PER_PAIR); A row = pair // A_DIV. out[pid_k, pair, n].
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        expert = tl.load(experts_ptr + pid_m).to(tl.int32)
-        if (expert < 0) | (expert >= E):
-            return
-        offs_m = tl.arange(0, BLOCK_M)
-        if PER_PAIR:
-            pair = pid_m + offs_m * 0
-            m_ok = offs_m == 0
-        else:
-            pair = tl.load(ids_ptr + pid_m * BLOCK_M + offs_m)
-            m_ok = pair < P
-        a_off = tl.where(m_ok, pair // A_DIV, 0).to(tl.int64) * stride_am
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.where(n < N, n, 0)  # clamped: weight loads stay unmasked along N
-        w_base = w_ptr + expert.to(tl.int64) * stride_we
-        s_base = ws_ptr + expert.to(tl.int64) * stride_se
+    def _expert_tile(a_ptr, as_ptr, w_base, s_base, a_row, m_ok, rows, k_lo, k_hi, K, UP,
+                     stride_am, stride_asm, stride_asg, stride_wn, stride_sn, stride_sk,
+                     W_INT8: tl.constexpr, W_GRAN: tl.constexpr, A_GRAN: tl.constexpr, A_MODE: tl.constexpr,
+                     GATED: tl.constexpr, SWAP: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """A rows ``a_row`` (valid where m_ok) times one expert's weight rows ``rows`` (and ``rows + UP``
+        when GATED) over k in [k_lo, k_hi): the scaled fp32 results [BLOCK_M, BLOCK_N] (gate, up)."""
+        a_off = a_row.to(tl.int64) * stride_am
         PER_STEP: tl.constexpr = (W_GRAN == _G_BLOCK) or (A_GRAN == _G_BLOCK)
         A_VEC: tl.constexpr = A_GRAN != _G_TENSOR
         W_VEC: tl.constexpr = W_GRAN != _G_TENSOR
@@ -304,7 +283,7 @@ if HAS_TRITON:
         if A_GRAN == _G_TENSOR:
             a_s = tl.load(as_ptr)
         elif A_GRAN == _G_ROW and A_MODE == _A_CODES:
-            a_s = tl.load(as_ptr + tl.where(m_ok, pair // A_DIV, 0) * stride_asm, mask=m_ok, other=1.0)
+            a_s = tl.load(as_ptr + a_row * stride_asm, mask=m_ok, other=1.0)
         elif A_GRAN == _G_ROW:
             a_s = _row_scales(a_ptr, a_off, m_ok, K, W_INT8, BLOCK_M, BLOCK_K)
         else:
@@ -324,15 +303,12 @@ if HAS_TRITON:
         else:
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_T)
         acc_u = tl.zeros_like(acc_g)
-        k_lo = pid_k * k_split
-        k_hi = tl.minimum(k_lo + k_split, K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
             a = tl.load(a_ptr + a_off[:, None] + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if A_GRAN == _G_BLOCK and A_MODE == _A_CODES:
-                a_s = tl.load(as_ptr + tl.where(m_ok, pair // A_DIV, 0) * stride_asm + (k0 // BLOCK_K) * stride_asg,
-                              mask=m_ok, other=1.0)
+                a_s = tl.load(as_ptr + a_row * stride_asm + (k0 // BLOCK_K) * stride_asg, mask=m_ok, other=1.0)
             if A_MODE != _A_CODES:
                 a = a.to(tl.float32)
                 if A_GRAN == _G_BLOCK:  # dynamic 1 x BLOCK_K group
@@ -357,13 +333,71 @@ if HAS_TRITON:
         if SWAP:
             y_g = tl.trans(y_g)
             y_u = tl.trans(y_u)
+        return y_g, y_u
+
+    @triton.jit
+    def _moe_gemm_kernel(
+            a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, ids_ptr, experts_ptr, route_ptr,
+            N, K, P, E, A_DIV, UP, k_split,
+            stride_am, stride_asm, stride_asg, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+            stride_os, stride_om,
+            W_INT8: tl.constexpr, W_GRAN: tl.constexpr, A_GRAN: tl.constexpr, A_MODE: tl.constexpr,
+            GATED: tl.constexpr, ACT: tl.constexpr, ROUTE: tl.constexpr, PER_PAIR: tl.constexpr,
+            FOLD_TOPK: tl.constexpr, SWAP: tl.constexpr, NATIVE_FP8: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # grid (row blocks, tokens or pairs, cdiv(N, BLOCK_N), split_k). Rows of a program: the pairs of
+        # one expert's block (sorted_ids); the pair pid_m alone (PER_PAIR); or token pid_m's FOLD_TOPK
+        # pairs one after the other, summed in order (FOLD_TOPK > 0). A row = pair // A_DIV.
+        # out[pid_k, pair (token when folding), n].
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(2)
+        offs_m = tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.where(n < N, n, 0)  # clamped: weight loads stay unmasked along N
+        k_lo = pid_k * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
+        if FOLD_TOPK > 0:
+            m_ok = offs_m == 0
+            y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(FOLD_TOPK):
+                pair = pid_m * FOLD_TOPK + j + offs_m * 0
+                expert = tl.load(experts_ptr + pid_m * FOLD_TOPK + j).to(tl.int32)
+                if (expert >= 0) & (expert < E):
+                    y_g, y_u = _expert_tile(
+                        a_ptr, as_ptr, w_ptr + expert.to(tl.int64) * stride_we, ws_ptr + expert.to(tl.int64) * stride_se,
+                        pair // A_DIV, m_ok, rows, k_lo, k_hi, K, UP, stride_am, stride_asm, stride_asg, stride_wn,
+                        stride_sn, stride_sk, W_INT8, W_GRAN, A_GRAN, A_MODE, GATED, SWAP, NATIVE_FP8,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+                    y += _epilogue(y_g, y_u, route_ptr, pair, m_ok, ACT, GATED, ROUTE)
+            out_row = pid_m + offs_m * 0
+        else:
+            expert = tl.load(experts_ptr + pid_m).to(tl.int32)
+            if (expert < 0) | (expert >= E):
+                return
+            if PER_PAIR:
+                pair = pid_m + offs_m * 0
+                m_ok = offs_m == 0
+            else:
+                pair = tl.load(ids_ptr + pid_m * BLOCK_M + offs_m)
+                m_ok = pair < P
+            y_g, y_u = _expert_tile(
+                a_ptr, as_ptr, w_ptr + expert.to(tl.int64) * stride_we, ws_ptr + expert.to(tl.int64) * stride_se,
+                tl.where(m_ok, pair // A_DIV, 0), m_ok, rows, k_lo, k_hi, K, UP, stride_am, stride_asm, stride_asg,
+                stride_wn, stride_sn, stride_sk, W_INT8, W_GRAN, A_GRAN, A_MODE, GATED, SWAP, NATIVE_FP8,
+                BLOCK_M, BLOCK_N, BLOCK_K)
+            y = _epilogue(y_g, y_u, route_ptr, pair, m_ok, ACT, GATED, ROUTE)
+            out_row = pair
+        out = out_ptr + pid_k * stride_os + out_row.to(tl.int64)[:, None] * stride_om + n[None, :]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (n < N)[None, :])
+
+    @triton.jit
+    def _epilogue(y_g, y_u, route_ptr, pair, m_ok, ACT: tl.constexpr, GATED: tl.constexpr, ROUTE: tl.constexpr):
         y = _act_fn(y_g, ACT)
         if GATED:
             y = y * y_u
         if ROUTE:
             y = y * tl.load(route_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)[:, None]
-        out = out_ptr + pid_k * stride_os + pair.to(tl.int64)[:, None] * stride_om + n[None, :]
-        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (n < N)[None, :])
+        return y
 
     @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, INT8: tl.constexpr, STATIC: tl.constexpr,
@@ -387,16 +421,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_sum_kernel(part_ptr, ids_ptr, out_ptr, H, E, stride_ps,
-                        TOPK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
-        # grid (T, cdiv(H, BLOCK_H)): out[t] = sum_j sum_s part[s, t*TOPK + j], fixed order
+                        TOPK: tl.constexpr, SPLIT: tl.constexpr, CHECK_IDS: tl.constexpr, BLOCK_H: tl.constexpr):
+        # grid (T, cdiv(H, BLOCK_H)): out[t] = sum_j sum_s part[s, t*TOPK + j], fixed order; rows of
+        # pairs whose expert id is outside [0, E) are skipped (CHECK_IDS)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(TOPK):
-            e = tl.load(ids_ptr + t * TOPK + j) + h * 0
-            ok = (h < H) & (e >= 0) & (e < E)
+            ok = h < H
+            if CHECK_IDS:
+                e = tl.load(ids_ptr + t * TOPK + j) + h * 0
+                ok = ok & (e >= 0) & (e < E)
             for s in tl.static_range(SPLIT):
                 acc += tl.load(part_ptr + s * stride_ps + (t * TOPK + j) * H + h, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
-
-

@@ -185,17 +185,20 @@ class GemmConfig:
 @dataclass(frozen=True)
 class MoeConfig:
     block_m: int = 16
-    per_pair: bool = False  # one program per (token, expert) pair, no alignment (decode)
+    per_pair: bool = False  # GEMM 1 (and 2): one program per (token, expert) pair, no alignment (decode)
     gemm1: GemmConfig = GemmConfig()
     gemm2: GemmConfig = GemmConfig()
+    # GEMM 2: one program per token runs its k experts in turn and sums them (no top-k sum kernel)
+    fold_topk: bool = False
 
     def to_dict(self) -> dict:
         return {"block_m": self.block_m, "per_pair": self.per_pair, "gemm1": vars(self.gemm1).copy(),
-                "gemm2": vars(self.gemm2).copy()}
+                "gemm2": vars(self.gemm2).copy(), "fold_topk": self.fold_topk}
 
     @staticmethod
     def from_dict(d: dict) -> "MoeConfig":
-        return MoeConfig(d["block_m"], d["per_pair"], GemmConfig(**d["gemm1"]), GemmConfig(**d["gemm2"]))
+        return MoeConfig(d["block_m"], d["per_pair"], GemmConfig(**d["gemm1"]), GemmConfig(**d["gemm2"]),
+                         d.get("fold_topk", False))
 
 
 # Measured winners of :func:`tune` (config_key -> MoeConfig.to_dict()); looked up after the on-disk cache.
@@ -210,8 +213,9 @@ def config_key(kind: str, e: int, h: int, i: int, k: int, t: int, gated: bool = 
 def default_config(q: MoeQuant, e: int, h: int, i: int, k: int, t: int, num_sms: int = 132) -> MoeConfig:
     """The rule without measurements. Decode (few rows per expert): 16-row tiles, weights as the MMA's
     M side, quantization in the prologue, enough programs for every SM (narrower column tiles for GEMM
-    1, split-K for GEMM 2); pairs unaligned while they are few enough to hit distinct experts.
-    Prefill: 64- or 128-row tiles, activations quantized once by a separate kernel."""
+    1, split-K for GEMM 2); pairs unaligned while they are few enough to hit distinct experts, and
+    then GEMM 2 folds the top-k sum (3 launches become 2). Prefill: 64- or 128-row tiles, activations
+    quantized once by a separate kernel."""
     p = t * k
     rows = p / max(1, min(e, p))  # rows per active expert
     per_pair = p <= max(2, e // 4)
@@ -227,7 +231,13 @@ def default_config(q: MoeQuant, e: int, h: int, i: int, k: int, t: int, num_sms:
     while small and blocks * math.ceil(h / bn2) * split < 2 * num_sms and i // (2 * split) >= 512:
         split *= 2
     g2 = GemmConfig(bn2, 128, split, warps, stages, small, small)
-    return MoeConfig(bm, per_pair, g1, g2)
+    if per_pair:  # GEMM 2 per token: narrow column tiles (and split-K) for programs enough
+        bn2 = next((b for b in (64, 32) if t * math.ceil(h / b) >= num_sms), 16)
+        split = 1
+        while t * math.ceil(h / bn2) * split < num_sms and i // (2 * split) >= 2048:
+            split *= 2
+        g2 = GemmConfig(bn2, 128 if q.per_step else 256, split, 4, 4, True, True)
+    return MoeConfig(bm, per_pair, g1, g2, per_pair)
 
 
 def normalize_config(cfg: MoeConfig, q: MoeQuant, gated: bool) -> MoeConfig:
@@ -240,7 +250,7 @@ def normalize_config(cfg: MoeConfig, q: MoeQuant, gated: bool) -> MoeConfig:
                           g.num_stages, g.swap, g.fuse_quant and fuse_ok)
 
     return MoeConfig(16 if cfg.per_pair else cfg.block_m, cfg.per_pair, fix(cfg.gemm1, not gated),
-                     fix(cfg.gemm2, True))
+                     fix(cfg.gemm2, True), cfg.fold_topk)
 
 
 _CACHE: dict | None = None
@@ -309,22 +319,28 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _splits(k: int, g: GemmConfig) -> tuple[int, int]:
+    """(K per split, a multiple of block_k; the number of splits that are not empty)."""
+    k_split = -(-(-(-k // g.split_k)) // g.block_k) * g.block_k
+    return k_split, -(-k // k_split)
+
+
 def _gemm(a, a_scale, a_mode, a_strides, a_div, w, w_scale, out, route, rows, q: MoeQuant, g: GemmConfig,
-          n: int, k: int, act: int, gated: bool, per_pair: bool, block_m: int, num_pairs: int):
+          n: int, k: int, act: int, gated: bool, per_pair: bool, block_m: int, num_pairs: int, fold_topk: int = 0):
     """One launch of the grouped GEMM: out[split, pair, :n] for every pair of ``rows`` (sorted_ids,
-    block_expert) or, per pair, (None, topk_ids flat)."""
+    block_expert) or, per pair, (None, topk_ids flat); out[split, token, :n] when folding ``fold_topk``
+    pairs per token. Returns the number of K splits."""
     sorted_ids, experts = rows
-    k_split = triton.cdiv(triton.cdiv(k, g.split_k), g.block_k) * g.block_k
-    splits = triton.cdiv(k, k_split)
+    k_split, splits = _splits(k, g)
     ws = [w_scale.stride(d) if d < w_scale.dim() else 0 for d in range(3)]
-    grid = (experts.numel(), triton.cdiv(n, g.block_n), splits)
+    grid = (experts.numel() // max(1, fold_topk), triton.cdiv(n, g.block_n), splits)
     _moe_gemm_kernel[grid](
         a, a_scale, w, w_scale, out, sorted_ids if sorted_ids is not None else experts, experts,
         route if route is not None else a_scale, n, k, num_pairs, w.shape[0], a_div, n if gated else 0, k_split,
         a.stride(0), a_strides[0], a_strides[1], w.stride(0), w.stride(1), ws[0], ws[1], ws[2],
         out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
         W_INT8=q.int8, W_GRAN=q.w_gran, A_GRAN=q.a_gran, A_MODE=a_mode, GATED=gated, ACT=act,
-        ROUTE=route is not None, PER_PAIR=per_pair, SWAP=g.swap, NATIVE_FP8=_native_fp8(a),
+        ROUTE=route is not None, PER_PAIR=per_pair, FOLD_TOPK=fold_topk, SWAP=g.swap, NATIVE_FP8=_native_fp8(a),
         BLOCK_M=block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, num_warps=g.num_warps, num_stages=g.num_stages)
     return splits
 
@@ -361,14 +377,20 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale
     _gemm(a, s, mode, strides, a_div, w13, w13_scale, hid, None, rows, g=cfg.gemm1, n=i, k=h, act=act, gated=gated,
           **common)
     a, s, mode, strides = _unpack(_act_operand(hid, q, a2_scale, cfg.gemm2.fuse_quant))
-    split = cfg.gemm2.split_k
-    part = torch.empty((split, p, h), dtype=torch.float32 if split > 1 else x.dtype, device=dev)
-    split = _gemm(a, s, mode, strides, 1, w2, w2_scale, part, route2, rows, g=cfg.gemm2, n=h, k=i, act=0,
-                  gated=False, **common)
+    split = _splits(i, cfg.gemm2)[1]
     out = torch.empty((t, h), dtype=x.dtype, device=dev)
+    if cfg.fold_topk and split == 1:  # GEMM 2 writes the output itself
+        _gemm(a, s, mode, strides, 1, w2, w2_scale, out, route2, (None, ids), g=cfg.gemm2, n=h, k=i, act=0,
+              gated=False, fold_topk=k, **common)
+        return out
+    rows_out = t if cfg.fold_topk else p
+    part = torch.empty((split, rows_out, h), dtype=torch.float32 if split > 1 else x.dtype, device=dev)
+    _gemm(a, s, mode, strides, 1, w2, w2_scale, part, route2, (None, ids) if cfg.fold_topk else rows, g=cfg.gemm2,
+          n=h, k=i, act=0, gated=False, fold_topk=k if cfg.fold_topk else 0, **common)
     block_h = min(_pow2(h), 512)
-    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](part, ids, out, h, e, part.stride(0), TOPK=k, SPLIT=split,
-                                                  BLOCK_H=block_h, num_warps=4)
+    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](part, ids, out, h, e, part.stride(0), TOPK=1 if cfg.fold_topk else k,
+                                                  SPLIT=split, CHECK_IDS=not cfg.fold_topk, BLOCK_H=block_h,
+                                                  num_warps=4)
     return out
 
 

@@ -55,8 +55,13 @@ SCHEMES = {  # every weight granularity and activation recipe the kernels run
 }
 
 
-def inputs(name, t=5, k=2, e=4, h=256, i=128, activation="silu", dtype=torch.float16, device="cpu", seed=0, **kw):
+def inputs(name, t=5, k=2, e=4, h=256, i=128, activation="silu", dtype=torch.float16, device="cpu", seed=0,
+           foreign=False, **kw):
+    """make_moe_inputs of SCHEMES[name]; ``foreign``: some pairs routed to expert ids outside [0, E)."""
     args = mt.make_moe_inputs(SCHEMES[name], e, h, i, k, t, activation, dtype, device, seed)
+    if foreign:
+        args["topk_ids"][0, -1] = -1
+        args["topk_ids"][-1, 0] = e
     args.update(kw)
     return args
 
@@ -233,7 +238,7 @@ def test_default_configs_are_valid(name):
             for gated in (True, False):
                 cfg = mt.normalize_config(mt.default_config(q, e, h, i, k, t), q, gated)
                 for g in (cfg.gemm1, cfg.gemm2):
-                    assert g.block_n in (32, 64, 128) and g.block_k % 128 == 0 and g.num_warps in (4, 8)
+                    assert g.block_n in (16, 32, 64, 128) and g.block_k % 128 == 0 and g.num_warps in (4, 8)
                     assert not q.per_step or g.block_k == 128
                     assert q.a_static or q.a_gran != mt.G_TENSOR or not g.fuse_quant
                     assert g.swap == (cfg.block_m < 64)
@@ -375,13 +380,15 @@ def align_cases() -> dict:
     }
 
 
-def _cfg(bm, per_pair, g1, g2):
-    return mt.MoeConfig(bm, per_pair, mt.GemmConfig(**g1), mt.GemmConfig(**g2))
+def _cfg(bm, per_pair, g1, g2, fold=False):
+    return mt.MoeConfig(bm, per_pair, mt.GemmConfig(**g1), mt.GemmConfig(**g2), fold)
 
 
-DECODE = _cfg(16, True, dict(block_n=32), dict(block_n=64))  # fused quant, swap
+DECODE = _cfg(16, True, dict(block_n=32), dict(block_n=16, block_k=256), fold=True)  # fused quant, swap
+PER_PAIR = _cfg(16, True, dict(block_n=64), dict(block_n=64))
 ALIGNED = _cfg(16, False, dict(block_n=64, fuse_quant=False), dict(block_n=32, split_k=2, fuse_quant=False))
 WIDE = _cfg(32, False, dict(block_n=32, swap=False), dict(block_n=64, swap=False, block_k=256))
+FOLD_SPLIT = _cfg(16, False, dict(block_n=32), dict(block_n=32, split_k=2, fuse_quant=False), fold=True)
 PIPELINE_CASES = {}
 for _name in SCHEMES:
     PIPELINE_CASES[f"{_name}-decode-t1"] = (_name, DECODE, dict(t=1, k=2, e=8))
@@ -389,6 +396,12 @@ for _name in SCHEMES:
     PIPELINE_CASES[f"{_name}-wide-t17"] = (_name, WIDE, dict(t=17, k=2, e=8, h=128))
 PIPELINE_CASES.update({
     "fp8_channel_token-default-t3-k1": ("fp8_channel_token", None, dict(t=3, k=1, e=4)),
+    "fp8_channel_token-per-pair-t3": ("fp8_channel_token", PER_PAIR, dict(t=3, k=2, e=8)),
+    "fp8_block_group-fold-split": ("fp8_block_group", FOLD_SPLIT, dict(t=4, k=2, e=4)),
+    "int8_channel_token-fold-split-foreign": ("int8_channel_token", FOLD_SPLIT, dict(t=4, k=2, e=4, foreign=True)),
+    "fp8_tensor_static-per-pair-foreign": ("fp8_tensor_static", PER_PAIR, dict(t=3, k=2, e=4, foreign=True)),
+    "fp8_tensor_dyntensor-aligned-foreign": ("fp8_tensor_dyntensor", ALIGNED, dict(t=6, k=2, e=8, foreign=True)),
+    "fp8_channel_token-decode-foreign": ("fp8_channel_token", DECODE, dict(t=2, k=2, e=8, foreign=True)),
     "fp8_block_group-default-t9-gelu": ("fp8_block_group", None, dict(t=9, k=2, e=8, activation="gelu_tanh")),
     "fp8_tensor_static-nogate": ("fp8_tensor_static", ALIGNED, dict(t=4, activation="silu_no_mul")),
     "int8_channel_token-relu2": ("int8_channel_token", DECODE, dict(t=2, activation="relu2_no_mul")),
