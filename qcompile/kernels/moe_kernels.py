@@ -337,18 +337,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_gemm_kernel(
-            a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, ids_ptr, experts_ptr, route_ptr,
-            N, K, P, E, A_DIV, UP, k_split,
+            a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, ids_ptr, experts_ptr, route_ptr,
+            N, K, P, E, A_DIV, UP, k_split, alpha, limit,
             stride_am, stride_asm, stride_asg, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-            stride_os, stride_om,
+            stride_be, stride_os, stride_om,
             W_INT8: tl.constexpr, W_GRAN: tl.constexpr, A_GRAN: tl.constexpr, A_MODE: tl.constexpr,
-            GATED: tl.constexpr, ACT: tl.constexpr, ROUTE: tl.constexpr, PER_PAIR: tl.constexpr,
+            GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE: tl.constexpr,
+            PER_PAIR: tl.constexpr,
             FOLD_TOPK: tl.constexpr, SWAP: tl.constexpr, NATIVE_FP8: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # grid (row blocks, tokens or pairs, cdiv(N, BLOCK_N), split_k). Rows of a program: the pairs of
         # one expert's block (sorted_ids); the pair pid_m alone (PER_PAIR); or token pid_m's FOLD_TOPK
         # pairs one after the other, summed in order (FOLD_TOPK > 0). A row = pair // A_DIV.
-        # out[pid_k, pair (token when folding), n].
+        # out[pid_k, pair (token when folding), n]. The bias b[expert, n] is added by split 0.
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(2)
         offs_m = tl.arange(0, BLOCK_M)
@@ -356,6 +357,7 @@ if HAS_TRITON:
         rows = tl.where(n < N, n, 0)  # clamped: weight loads stay unmasked along N
         k_lo = pid_k * k_split
         k_hi = tl.minimum(k_lo + k_split, K)
+        first = (pid_k == 0).to(tl.float32)
         if FOLD_TOPK > 0:
             m_ok = offs_m == 0
             y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -368,7 +370,8 @@ if HAS_TRITON:
                         pair // A_DIV, m_ok, rows, k_lo, k_hi, K, UP, stride_am, stride_asm, stride_asg, stride_wn,
                         stride_sn, stride_sk, W_INT8, W_GRAN, A_GRAN, A_MODE, GATED, SWAP, NATIVE_FP8,
                         BLOCK_M, BLOCK_N, BLOCK_K)
-                    y += _epilogue(y_g, y_u, route_ptr, pair, m_ok, ACT, GATED, ROUTE)
+                    y += _epilogue(y_g, y_u, b_ptr + expert.to(tl.int64) * stride_be, rows, UP, first, alpha, limit,
+                                   route_ptr, pair, m_ok, ACT, GATED, HAS_BIAS, ROUTE)
             out_row = pid_m + offs_m * 0
         else:
             expert = tl.load(experts_ptr + pid_m).to(tl.int32)
@@ -385,16 +388,28 @@ if HAS_TRITON:
                 tl.where(m_ok, pair // A_DIV, 0), m_ok, rows, k_lo, k_hi, K, UP, stride_am, stride_asm, stride_asg,
                 stride_wn, stride_sn, stride_sk, W_INT8, W_GRAN, A_GRAN, A_MODE, GATED, SWAP, NATIVE_FP8,
                 BLOCK_M, BLOCK_N, BLOCK_K)
-            y = _epilogue(y_g, y_u, route_ptr, pair, m_ok, ACT, GATED, ROUTE)
+            y = _epilogue(y_g, y_u, b_ptr + expert.to(tl.int64) * stride_be, rows, UP, first, alpha, limit,
+                          route_ptr, pair, m_ok, ACT, GATED, HAS_BIAS, ROUTE)
             out_row = pair
         out = out_ptr + pid_k * stride_os + out_row.to(tl.int64)[:, None] * stride_om + n[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (n < N)[None, :])
 
     @triton.jit
-    def _epilogue(y_g, y_u, route_ptr, pair, m_ok, ACT: tl.constexpr, GATED: tl.constexpr, ROUTE: tl.constexpr):
-        y = _act_fn(y_g, ACT)
-        if GATED:
-            y = y * y_u
+    def _epilogue(y_g, y_u, b_base, rows, UP, first, alpha, limit, route_ptr, pair, m_ok,
+                  ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE: tl.constexpr):
+        """Bias (times ``first``: 1 in the first K split), activation, router weight of fp32 tiles
+        [BLOCK_M, BLOCK_N] of the gate (or only) and up projections."""
+        if HAS_BIAS:
+            y_g += tl.load(b_base + rows).to(tl.float32)[None, :] * first
+            if GATED:
+                y_u += tl.load(b_base + rows + UP).to(tl.float32)[None, :] * first
+        if ACT == 4:  # swigluoai: (clamp(up, -limit, limit) + 1) * g sigmoid(alpha g), g = min(gate, limit)
+            g = tl.minimum(y_g, limit)
+            y = g / (1.0 + tl.exp(-alpha * g)) * (tl.minimum(tl.maximum(y_u, -limit), limit) + 1.0)
+        else:
+            y = _act_fn(y_g, ACT)
+            if GATED:
+                y = y * y_u
         if ROUTE:
             y = y * tl.load(route_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)[:, None]
         return y
