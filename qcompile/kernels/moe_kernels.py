@@ -241,20 +241,31 @@ if HAS_TRITON:
         return a_s * w_s
 
     @triton.jit
-    def _mma(a, w, acc, SWAP: tl.constexpr):
+    def _mma(a, w, acc, SWAP: tl.constexpr, PROMOTE: tl.constexpr):
+        """acc + the products of one K step. PROMOTE (fp8): the tensor cores' sum of this step is added
+        to the fp32 accumulator (sm_90 otherwise accumulates fp8 products over all of K at reduced
+        precision)."""
+        step_k: tl.constexpr = a.shape[1]
         if SWAP:
-            r = tl.dot(w, tl.trans(a), acc)  # [BN, BM]
+            if PROMOTE:
+                r = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=step_k)  # [BN, BM]
+            else:
+                r = tl.dot(w, tl.trans(a), acc)
         else:
-            r = tl.dot(a, tl.trans(w), acc)  # [BM, BN]
+            if PROMOTE:
+                r = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=step_k)  # [BM, BN]
+            else:
+                r = tl.dot(a, tl.trans(w), acc)
         return r
 
     @triton.jit
     def _step(acc, a, w, a_s, w_s, PER_STEP: tl.constexpr, A_VEC: tl.constexpr, W_VEC: tl.constexpr,
-              SWAP: tl.constexpr):
-        if PER_STEP:
-            acc += _mma(a, w, tl.zeros(acc.shape, dtype=tl.float32), SWAP) * _outer(a_s, w_s, A_VEC, W_VEC, SWAP)
-        else:
-            acc = _mma(a, w, acc, SWAP)
+              SWAP: tl.constexpr, W_INT8: tl.constexpr):
+        if PER_STEP:  # scales change along K: each step's fp32 sum scaled, then added
+            acc += _mma(a, w, tl.zeros(acc.shape, dtype=tl.float32), SWAP, False) * _outer(a_s, w_s, A_VEC, W_VEC,
+                                                                                          SWAP)
+        else:  # int32 sums are exact; fp8 ones promoted every step
+            acc = _mma(a, w, acc, SWAP, not W_INT8)
         return acc
 
     @triton.jit
@@ -320,10 +331,10 @@ if HAS_TRITON:
                 if GATED:
                     ws_u = tl.load(s_base + ((rows + UP) // 128) * stride_sn + kb)
             wg = tl.load(w_base + rows[:, None] * stride_wn + kk[None, :], mask=k_ok[None, :], other=0.0)
-            acc_g = _step(acc_g, a, wg, a_s, ws_g, PER_STEP, A_VEC, W_VEC, SWAP)
+            acc_g = _step(acc_g, a, wg, a_s, ws_g, PER_STEP, A_VEC, W_VEC, SWAP, W_INT8)
             if GATED:
                 wu = tl.load(w_base + (rows + UP)[:, None] * stride_wn + kk[None, :], mask=k_ok[None, :], other=0.0)
-                acc_u = _step(acc_u, a, wu, a_s, ws_u, PER_STEP, A_VEC, W_VEC, SWAP)
+                acc_u = _step(acc_u, a, wu, a_s, ws_u, PER_STEP, A_VEC, W_VEC, SWAP, W_INT8)
         if PER_STEP:
             y_g = acc_g
             y_u = acc_u

@@ -42,8 +42,9 @@ Kernels (:func:`fused_moe`), per layer call:
 
 The GEMM computes acc^T = W · A^T when ``swap`` (the weight tile is the MMA's M side: Hopper's
 wgmma wants M >= 64, and decode has 1..16 rows) and A · W^T otherwise; FP8 x FP8 and INT8 x INT8
-run on the tensor cores (fp32 / int32 accumulation); per-tensor / channel / token scales multiply
-the accumulator once, 128x128-block and 1x128-group scales every K step (``BLOCK_K`` = 128).
+run on the tensor cores (fp32 / int32 accumulation; each K step's fp8 sum is promoted to the fp32
+accumulator); per-tensor / channel / token scales multiply the accumulator once, 128x128-block and
+1x128-group scales every K step (``BLOCK_K`` = 128).
 Launch parameters: :class:`MoeConfig` (:mod:`moe_config`: the :func:`tune` cache, the ``TUNED``
 table or the default rule). Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
 """
