@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES) + list(TINY),
                    help="expert shapes (default: %(default)s)")
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="token counts (default: %(default)s)")
-    p.add_argument("--tune", action="store_true", help="tune our configurations first (cached on disk)")
+    p.add_argument("--tune", action="store_true",
+                   help="tune our configurations first (cached on disk; slow: dozens of configurations per shape, T and scheme)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--markdown", action="store_true", help="print only the markdown table")
     p.add_argument("--replays", type=int, default=15, help="timed graph replays (median) (default: %(default)s)")
