@@ -436,6 +436,8 @@ PER_PAIR = _cfg(16, True, dict(block_n=64), dict(block_n=64))
 ALIGNED = _cfg(16, False, dict(block_n=64, fuse_quant=False), dict(block_n=32, split_k=2, fuse_quant=False))
 WIDE = _cfg(32, False, dict(block_n=32, swap=False), dict(block_n=64, swap=False, block_k=256))
 FOLD_SPLIT = _cfg(16, False, dict(block_n=32), dict(block_n=32, split_k=2, fuse_quant=False), fold=True)
+PREFILL = _cfg(64, False, dict(block_n=64, swap=False, fuse_quant=False, num_warps=8),
+               dict(block_n=128, swap=False, fuse_quant=False, num_warps=8))  # the default rule's prefill tiles
 PIPELINE_CASES = {}
 for _name in SCHEMES:
     PIPELINE_CASES[f"{_name}-decode-t1"] = (_name, DECODE, dict(t=1, k=2, e=8))
@@ -462,6 +464,8 @@ PIPELINE_CASES.update({
     "int8_channel_token-swigluoai-fold-split": ("int8_channel_token", FOLD_SPLIT,
                                                 dict(t=4, activation="swigluoai", foreign=True)),
     "fp8_tensor_static-swigluoai-wide": ("fp8_tensor_static", WIDE, dict(t=9, h=128, activation="swigluoai")),
+    "fp8_block_group-prefill-t40": ("fp8_block_group", PREFILL, dict(t=40, k=2, e=4, h=128)),
+    "int8_channel_token-prefill-t40": ("int8_channel_token", PREFILL, dict(t=40, k=2, e=4, h=128, foreign=True)),
     # H, I not multiples of 128: partial weight blocks and a partial last activation group
     "fp8_block_group-partial-aligned": ("fp8_block_group", ALIGNED, dict(t=5, h=192, i=176)),
     "fp8_block_group-partial-decode": ("fp8_block_group", DECODE, dict(t=2, e=8, h=192, i=176)),
