@@ -512,12 +512,13 @@ GPU_ACTIVATIONS = ("silu", "gelu_tanh", "swigluoai", "silu_no_mul")
 
 
 def gpu_inputs(name, t, shape, activation="silu", dtype=torch.bfloat16, seed=0):
-    """make_moe_inputs on CUDA; from 64 tokens on, the last 3 experts get no pair (unused experts)."""
+    """make_moe_inputs on CUDA; from 64 tokens on, the last (up to) 3 experts get no pair (unused experts)."""
     e, h, i, k = shape
     args = mt.make_moe_inputs(SCHEMES[name], e, h, i, k, t, activation, dtype, GPU, seed)
     if t >= 64:
         g = torch.Generator(device=GPU).manual_seed(seed + 99)
-        args["topk_ids"] = torch.rand(t, e - 3, generator=g, device=GPU).argsort(1)[:, :k].to(torch.int32)
+        used = e - min(3, e - k)
+        args["topk_ids"] = torch.rand(t, used, generator=g, device=GPU).argsort(1)[:, :k].to(torch.int32)
     return args
 
 
