@@ -1,0 +1,262 @@
+"""Fused MoE benchmark: qcompile::fused_moe (Triton) against torch grouped-GEMM peers, on one GPU.
+
+For each expert shape and token count T (random routing, seeded, uniform over the experts), times in µs
+(median of CUDA-graph replays, each graph holding several back-to-back calls) of one MoE layer
+(gate_up GEMM + silu-gated activation + down GEMM + router weighting + top-k sum):
+
+* bf16 ``torch._grouped_mm`` peer: pairs sorted by expert (argsort), x rows gathered, two grouped
+  GEMMs, activation, router weight, rows put back in pair order and summed over the top-k.
+* fp8 ``torch._scaled_grouped_mm`` peer: the same with per-row (token) fp8 activations and per-channel
+  fp8 weights (rowwise scales), x quantized once before the gather.
+* ours: FP8 channel x token, FP8 128-block x 1x128 group, FP8 tensor (static), INT8 W8A8 channel x token.
+
+Weight floor: the bytes of the distinct experts this routing touches (w13 + w2, in the row's element
+size) over the device bandwidth measured in the same run by a large device-to-device copy; "% floor"
+is floor / time.
+
+    python benchmarks/bench_moe.py [--shapes mixtral qwen3-30b-a3b] [--tokens 1 4 16 64 256 4096]
+                                   [--tune] [--json out.json] [--markdown]
+
+``--tune`` runs :func:`qcompile.kernels.moe_config.tune` for every (shape, T, scheme) first (cached on
+disk) and prints the tuned entries in the form of the shipped ``TUNED`` table. ``--dry-run`` runs tiny
+shapes on the CPU (the reference path, or the Triton interpreter under TRITON_INTERPRET=1) with
+wall-clock timing: a smoke test of this script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qcompile.kernels import moe_config as mc
+from qcompile.kernels import moe_triton as mt
+from qcompile.scheme import ActSpec, Granularity, QDtype, QuantScheme, ScaleSpec, WeightSpec, fp8_scheme
+
+SHAPES = {"mixtral": (8, 4096, 14336, 2), "qwen3-30b-a3b": (128, 2048, 768, 8)}  # E, H, I, top-k
+TINY = {"tiny": (8, 256, 192, 2)}
+TOKENS = (1, 4, 16, 64, 256, 4096)
+OURS = {
+    "ours FP8 channel x token": fp8_scheme("channel", "dynamic_token").key,
+    "ours FP8 128-block": fp8_scheme("block", "dynamic_group").key,
+    "ours FP8 tensor static": fp8_scheme("tensor", "static_tensor").key,
+    "ours INT8 W8A8 channel x token": QuantScheme(
+        WeightSpec(QDtype.INT8, ScaleSpec(Granularity.CHANNEL)),
+        ActSpec(QDtype.INT8, True, ScaleSpec(Granularity.TOKEN))).key,
+}
+PEERS = ("bf16 torch._grouped_mm", "fp8 torch._scaled_grouped_mm rowwise")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES) + list(TINY),
+                   help="expert shapes (default: %(default)s)")
+    p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="token counts (default: %(default)s)")
+    p.add_argument("--tune", action="store_true",
+                   help="tune our configurations first (cached on disk; slow: dozens of configurations per shape, T and scheme)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--markdown", action="store_true", help="print only the markdown table")
+    p.add_argument("--replays", type=int, default=15, help="timed graph replays (median) (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, wall-clock: a smoke test")
+    return p
+
+
+# -- timing ----------------------------------------------------------------------------------------
+
+def _calls(t: int) -> int:
+    return 20 if t <= 256 else 3  # calls per graph: enough to hide launch gaps, bounded graph memory
+
+
+def _time(fn, t: int, replays: int, device: str) -> float | str:
+    """µs per call (CUDA graphs, or wall clock on the CPU), or "fails: ..." when fn does not run."""
+    try:
+        if device == "cuda":
+            from qcompile.bench import graph_time_us
+
+            return round(graph_time_us(fn, _calls(t), replays), 1)
+        fn()
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return round(statistics.median(times), 1)
+    except Exception as exc:  # noqa: BLE001 - a peer that does not run is a result, not a crash
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+
+
+def bandwidth_gbps(device: str) -> float:
+    """Device memory bandwidth (GB/s) of a large copy: read + write bytes over its median time."""
+    n = (1 << 31) if device == "cuda" else (1 << 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * n / (_time(lambda: dst.copy_(src), 4096, 10, device) * 1e-6) / 1e9
+
+
+# -- peers -----------------------------------------------------------------------------------------
+
+def _sorted_pairs(ids: torch.Tensor, e: int):
+    """Pairs by expert without a host sync: (order, token of each sorted pair, int32 group ends)."""
+    flat = ids.reshape(-1)
+    keys, order = flat.sort(stable=True)
+    ends = torch.searchsorted(keys, torch.arange(e, device=ids.device, dtype=keys.dtype), right=True)
+    return order, order // ids.shape[1], ends.to(torch.int32)
+
+
+def _finish(y: torch.Tensor, order, weights, t: int, k: int) -> torch.Tensor:
+    """Router weight, pairs back in (token, j) order, sum over the top-k (deterministic, no atomics)."""
+    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1).sum(1)
+
+
+def bf16_peer(x, ids, weights, w13t, w2t):
+    """w13t [E, H, 2I], w2t [E, I, H] bf16 column-major views (w.transpose(1, 2) of [E, N, K])."""
+    t, k = ids.shape
+    order, tok, ends = _sorted_pairs(ids, w13t.shape[0])
+    g = torch._grouped_mm(x[tok], w13t, offs=ends, out_dtype=torch.bfloat16)
+    i = g.shape[1] // 2
+    h = F.silu(g[:, :i]) * g[:, i:]
+    return _finish(torch._grouped_mm(h, w2t, offs=ends, out_dtype=torch.bfloat16), order, weights, t, k)
+
+
+def _rowwise_fp8(a: torch.Tensor):
+    s = (a.float().abs().amax(1) / 448.0).clamp(min=1.0 / (448 * 512))
+    return (a.float() / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), s
+
+
+def fp8_peer(x, ids, weights, w13t, s13, w2t, s2):
+    """Per-token fp8 activations x per-channel fp8 weights (s13 [E, 2I], s2 [E, H]) by _scaled_grouped_mm."""
+    t, k = ids.shape
+    order, tok, ends = _sorted_pairs(ids, w13t.shape[0])
+    xq, xs = _rowwise_fp8(x)
+    g = torch._scaled_grouped_mm(xq[tok], w13t, xs[tok], s13, offs=ends, out_dtype=torch.bfloat16)
+    i = g.shape[1] // 2
+    hq, hs = _rowwise_fp8(F.silu(g[:, :i]) * g[:, i:])
+    y = torch._scaled_grouped_mm(hq, w2t, hs, s2, offs=ends, out_dtype=torch.bfloat16)
+    return _finish(y, order, weights, t, k)
+
+
+# -- one shape -------------------------------------------------------------------------------------
+
+def _layers(e: int, h: int, i: int, k: int, device: str) -> dict:
+    """Random weights of every row, made once per shape: {row: make_moe_inputs dict} (ours) and the
+    peers' bf16 / fp8 rowwise weights."""
+    layers = {name: mt.make_moe_inputs(scheme, e, h, i, k, 1, "silu", torch.bfloat16, device, seed=n)
+              for n, (name, scheme) in enumerate(OURS.items())}
+    chan = layers["ours FP8 channel x token"]  # per-channel fp8: the fp8 peer's weights as they are
+    w13 = (chan["w13"].float() * chan["w13_scale"][:, :, None]).to(torch.bfloat16)  # the bf16 peer: one
+    w2 = (chan["w2"].float() * chan["w2_scale"][:, :, None]).to(torch.bfloat16)      # expert at a time below
+    layers["peer"] = dict(w13t=w13.transpose(1, 2), w2t=w2.transpose(1, 2), q13t=chan["w13"].transpose(1, 2),
+                          s13=chan["w13_scale"], q2t=chan["w2"].transpose(1, 2), s2=chan["w2_scale"])
+    return layers
+
+
+def bench_shape(name: str, shape, tokens, replays: int, bw: float, device: str, log) -> list[dict]:
+    e, h, i, k = shape
+    layers = _layers(e, h, i, k, device)
+    expert_params = 2 * i * h + h * i
+    rows = []
+    for t in tokens:
+        g = torch.Generator(device=device).manual_seed(1000 + t)
+        x = torch.randn(t, h, generator=g, device=device).to(torch.bfloat16)
+        ids = torch.rand(t, e, generator=g, device=device).argsort(1)[:, :k].to(torch.int32)
+        weights = torch.softmax(torch.randn(t, k, generator=g, device=device), 1)
+        used = int(ids.unique().numel())
+        p = layers["peer"]
+        fns = {PEERS[0]: (2, functools.partial(bf16_peer, x, ids, weights, p["w13t"], p["w2t"])),
+               PEERS[1]: (1, functools.partial(fp8_peer, x, ids, weights, p["q13t"], p["s13"], p["q2t"], p["s2"]))}
+        for row in OURS:
+            args = dict(layers[row], x=x, topk_ids=ids, topk_weights=weights)
+            if args["a13_scale"] is not None:  # static scales: from this x, and h's likely range
+                args["a13_scale"] = (x.abs().amax().float() / 448.0)
+                args["a2_scale"] = torch.tensor(0.05, device=device)
+            fns[row] = (1, lambda args=args: mt.fused_moe(**args))
+        for row, (elem_bytes, fn) in fns.items():
+            us = _time(fn, t, replays, device)
+            floor = used * expert_params * elem_bytes / (bw * 1e9) * 1e6
+            rows.append(dict(shape=name, tokens=t, row=row, us=us, experts_used=used, floor_us=round(floor, 1),
+                             pct_floor=round(100 * floor / us, 1) if isinstance(us, float) else None))
+            log(f"{name} T={t} {row}: {us}{' us' if isinstance(us, float) else ''} (floor {floor:.1f} us, "
+                f"{used} experts)")
+    return rows
+
+
+def tune_all(shapes, tokens, log) -> dict:
+    """tune() every (shape, T, scheme) of the run; returns this GPU's cached entries of those keys."""
+    keys = []
+    for name in shapes:
+        e, h, i, k = SHAPES[name]
+        for t in tokens:
+            for scheme in OURS.values():
+                mc.tune(e, h, i, k, t, scheme, log=log)
+                keys.append(mc.config_key(mc.moe_quant(scheme).kind, e, h, i, k, t))
+    entries = mc.cached_entries(torch.device("cuda"))
+    return {key: entries[key] for key in keys if key in entries}
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+def markdown(rows: list[dict], device_label: str, bw: float) -> str:
+    out = [(f"Fused MoE on {device_label} (copy bandwidth {bw:.0f} GB/s); µs per layer call, "
+            "% of the weight floor of the experts touched"), ""]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        sel = [r for r in rows if r["shape"] == shape]
+        tokens = list(dict.fromkeys(r["tokens"] for r in sel))
+        used = {r["tokens"]: r["experts_used"] for r in sel}
+        e, h, i, k = (SHAPES | TINY)[shape]
+        out.append(f"**{shape}** (E={e}, H={h}, I={i}, top-{k}; experts used: "
+                   + ", ".join(f"T={t}: {used[t]}" for t in tokens) + ")")
+        out.append("")
+        out.append("| row | " + " | ".join(f"T={t}" for t in tokens) + " |")
+        out.append("|---|" + "---|" * len(tokens))
+        for row in dict.fromkeys(r["row"] for r in sel):
+            cells = []
+            for t in tokens:
+                r = next(r for r in sel if r["row"] == row and r["tokens"] == t)
+                cells.append(f"{r['us']} ({r['pct_floor']}%)" if r["pct_floor"] is not None else str(r["us"]))
+            out.append(f"| {row} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_moe needs a CUDA GPU (or --dry-run for the CPU smoke test)")
+    shapes = list(TINY) if args.dry_run else args.shapes
+    tokens = [1, 3] if args.dry_run else args.tokens
+    log = (lambda *a, **kw: None) if args.markdown else (lambda msg: print(msg, file=sys.stderr))
+    label = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run, not a measurement)"
+    tuned = tune_all(shapes, tokens, log) if args.tune and device == "cuda" else {}
+    bw = bandwidth_gbps(device)
+    rows = []
+    for name in shapes:
+        rows += bench_shape(name, (SHAPES | TINY)[name], tokens, args.replays, bw, device, log)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    result = dict(device=label, bandwidth_gbps=round(bw, 1), rows=rows, tuned=tuned)
+    print(markdown(rows, label, bw))
+    if tuned:
+        print("\nTuned entries (TUNED table form):\n" + json.dumps(tuned, indent=1, sort_keys=True))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv=None) -> int:
+    run(add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

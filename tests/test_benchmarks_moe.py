@@ -1,0 +1,52 @@
+"""benchmarks/bench_moe.py --dry-run: the CPU smoke test of the GPU benchmark (tiny shapes, the
+reference path of qcompile::fused_moe, wall-clock timing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_moe", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_moe_dry_run(tmp_path, capsys):
+    bench = _load()
+    out = tmp_path / "moe.json"
+    assert bench.main(["--dry-run", "--markdown", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert {r["row"] for r in rows} == set(bench.PEERS) | set(bench.OURS)
+    assert {r["tokens"] for r in rows} == {1, 3} and result["bandwidth_gbps"] > 0
+    for r in rows:
+        assert r["floor_us"] > 0 and 1 <= r["experts_used"] <= 8
+        if r["row"] in bench.OURS or r["row"] == bench.PEERS[0]:
+            assert isinstance(r["us"], float) and r["pct_floor"] > 0, r
+    table = capsys.readouterr().out
+    assert "| ours FP8 128-block |" in table and "dry run" in table
+
+
+def test_peers_match_the_reference():
+    """The bf16 grouped-GEMM peer computes the same layer as qcompile's reference (bf16 weights, so a
+    loose normwise bound: the peer keeps activations unquantized)."""
+    import torch
+
+    from qcompile.kernels import moe_triton as mt
+
+    bench = _load()
+    layers = bench._layers(4, 128, 128, 2, "cpu")
+    chan = layers["ours FP8 channel x token"]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 128, generator=g).to(torch.bfloat16)
+    ids = torch.rand(5, 4, generator=g).argsort(1)[:, :2].to(torch.int32)
+    w = torch.softmax(torch.randn(5, 2, generator=g), 1)
+    peer = bench.bf16_peer(x, ids, w, layers["peer"]["w13t"], layers["peer"]["w2t"]).float()
+    ref = mt.fused_moe_reference(**dict(chan, x=x, topk_ids=ids, topk_weights=w)).float()
+    assert float((peer - ref).norm() / ref.norm()) < 0.1
