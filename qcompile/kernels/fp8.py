@@ -332,9 +332,7 @@ def check_inductor(q: KernelQuery) -> str | None:
     w, a = q.scheme.weight.scale.granularity, q.scheme.act.scale.granularity
     if w is Granularity.BLOCK or a is Granularity.GROUP:
         return f"no block / group recipe (weight {w.value}, activation {a.value})"
-    if q.device == "cuda":
-        return cuda_reason(q, (8, 9)) or (f"N={q.n}, K={q.k} not multiples of 16" if q.n % 16 or q.k % 16 else None)
-    return None if q.device == "cpu" else f"runs on CUDA and CPU, not {q.device}"
+    return cuda_reason(q, (8, 9)) or (f"N={q.n}, K={q.k} not multiples of 16" if q.n % 16 or q.k % 16 else None)
 
 
 def check_flashinfer(q: KernelQuery) -> str | None:

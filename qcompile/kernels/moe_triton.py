@@ -55,12 +55,13 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedError
-from ..scheme import Granularity
+from ..scheme import Granularity, QDtype, QuantScheme
 from . import fp8_quant_triton as fq
 from . import quant_math
 from .fp8_quant_triton import HAS_TRITON, interpreting, use_triton
 from .moe_config import (ACTIVATIONS, OP, GemmConfig, MoeConfig, MoeQuant, get_config, moe_quant,
                          normalize_config, tune)  # noqa: F401 - tune: part of this module's interface
+from .registry import Kernel, KernelQuery, cuda_reason, register
 from .moe_kernels import A_CODES, A_DYNAMIC, A_STATIC, G_BLOCK, G_ROW, G_TENSOR, moe_align
 
 if HAS_TRITON:
@@ -302,29 +303,70 @@ def fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
 
 # -- the op ----------------------------------------------------------------------------------------
 
+def split_activation(activation: str) -> tuple[str, float, float]:
+    """``"swigluoai:1.702:7.0"`` (the experts op's spelling) -> ("swigluoai", alpha, limit)."""
+    name, *params = activation.split(":")
+    alpha, limit = (float(p) for p in params) if params else (SWIGLU_ALPHA, SWIGLU_LIMIT)
+    return name, alpha, limit
+
+
 @torch.library.custom_op(OP, mutates_args=())
-def fused_moe_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                 w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor, a13_scale: torch.Tensor | None,
-                 a2_scale: torch.Tensor | None, b13: torch.Tensor | None, b2: torch.Tensor | None, scheme: str,
-                 activation: str, apply_router_weight_on_input: bool, swiglu_alpha: float, swiglu_limit: float,
-                 backend: str) -> torch.Tensor:
-    """``backend``: "reference" (any device, :func:`fused_moe_reference`) or "triton" (:func:`fused_moe`).
-    ``swiglu_alpha`` / ``swiglu_limit``: the constants of activation "swigluoai" (gpt-oss: 1.702, 7.0)."""
+def fused_moe_op(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 w13_weight: torch.Tensor, w13_weight_scale: torch.Tensor, w13_input_scale: torch.Tensor | None,
+                 w2_weight: torch.Tensor, w2_weight_scale: torch.Tensor, w2_input_scale: torch.Tensor | None,
+                 w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None, activation: str, scheme: str,
+                 apply_router_weight_on_input: bool, backend: str) -> torch.Tensor:
+    """The experts layer of ``qcompile::experts_ref`` (same argument names, the FP8 / INT8 W8A8 subset).
+    ``backend``: "reference" (any device, :func:`fused_moe_reference`) or "triton" (:func:`fused_moe`).
+    ``activation``: an :data:`ACTIVATIONS` name; "swigluoai:<alpha>:<limit>" for gpt-oss."""
     if backend not in BACKENDS:
         raise UnsupportedError(f"unknown fused_moe backend {backend!r}", where=OP, fix=f"use one of {BACKENDS}")
-    if backend == "triton" and not use_triton(x):
-        raise UnsupportedError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {x.device}",
-                               where=OP, fix="use backend='reference'")
+    if backend == "triton" and not use_triton(hidden_states):
+        raise UnsupportedError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got "
+                               f"{hidden_states.device}", where=OP, fix="use backend='reference'")
+    name, alpha, limit = split_activation(activation)
+    lead, h = hidden_states.shape[:-1], hidden_states.shape[-1]
+    k = top_k_index.shape[-1]
     fn = fused_moe if backend == "triton" else fused_moe_reference
-    return fn(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, scheme=scheme,
-              activation=activation, apply_router_weight_on_input=apply_router_weight_on_input, b13=b13, b2=b2,
-              swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+    out = fn(hidden_states.reshape(-1, h), top_k_index.reshape(-1, k), top_k_weights.reshape(-1, k), w13_weight,
+             w2_weight, w13_weight_scale, w2_weight_scale, w13_input_scale, w2_input_scale, scheme=scheme,
+             activation=name, apply_router_weight_on_input=apply_router_weight_on_input, b13=w13_bias, b2=w2_bias,
+             swiglu_alpha=alpha, swiglu_limit=limit)
+    return out.reshape(*lead, h)
 
 
 @fused_moe_op.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, b13, b2, scheme, activation,
-      apply_router_weight_on_input, swiglu_alpha, swiglu_limit, backend):
-    return x.new_empty(x.shape)
+def _(hidden_states, top_k_index, top_k_weights, *rest):
+    return torch.empty_like(hidden_states)
+
+
+def check_triton(q: KernelQuery) -> str | None:
+    """None when the Triton fused MoE runs ``q`` (an experts query), else why not."""
+    try:
+        moe_quant(q.scheme.key)
+    except UnsupportedError as e:
+        return e.what
+    name = q.activation.split(":")[0]
+    if name not in ACTIVATIONS:
+        return f"activation {q.activation!r} is not one of {sorted(ACTIVATIONS)}"
+    if q.device != "cuda":
+        return f"needs a CUDA device, have {q.device}"
+    return cuda_reason(q, (8, 0) if q.scheme.weight.dtype is QDtype.INT8 else (8, 9))
+
+
+def _computes(scheme: QuantScheme) -> str | None:
+    try:
+        moe_quant(scheme.key)
+    except UnsupportedError as e:
+        return e.what
+    return None
+
+
+MOE_TRITON = register(Kernel(
+    name="moe_triton", op=OP, backend="triton", priority=30, check=check_triton, computes=_computes, kind="experts",
+    act_dtypes=(torch.bfloat16, torch.float16),
+    description="Triton fused MoE: GPU token sort, grouped FP8 / INT8 GEMMs with activation, routing and top-k sum",
+))
 
 
 # -- inputs and tuning -----------------------------------------------------------------------------

@@ -45,6 +45,7 @@ class KernelQuery:
     num_experts: int = 0
     top_k: int = 0
     tokens: int | None = None
+    activation: str = ""  # experts: the gated activation ("silu", "swigluoai:<alpha>:<limit>", ...)
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,7 @@ def _load_builtin():
     _LOADED = True
     from . import reference  # noqa: F401  (registers the reference kernel)
     from . import experts_ref  # noqa: F401  (the experts reference kernel)
+    from . import moe_triton  # noqa: F401  (the fused MoE kernel)
     from . import fp8  # noqa: F401
     from . import int8  # noqa: F401
     from . import wo_gemm  # noqa: F401

@@ -25,7 +25,8 @@ def experts_query(args: dict) -> KernelQuery:
     tokens = _static(x.numel() // h) if _static(x.numel()) is not None else None
     return KernelQuery(scheme=parse_scheme_key(args["scheme"]), device=x.device.type,
                        capability=cuda_capability(x.device), n=int(w13.shape[1]), k=int(h), act_dtype=x.dtype,
-                       kind="experts", num_experts=int(w13.shape[0]), top_k=int(index.shape[-1]), tokens=tokens)
+                       kind="experts", num_experts=int(w13.shape[0]), top_k=int(index.shape[-1]), tokens=tokens,
+                       activation=args["activation"])
 
 
 def lower_experts(gm: fx.GraphModule, example_inputs=None, kernels=None) -> list[ExplainRow]:

@@ -38,7 +38,7 @@ def test_opcheck(weight, act):
 
 
 def test_selection_declines_block_recipes():
-    q = KernelQuery(fp8_scheme("block", "dynamic_group"), "cpu", None, 256, 256)
+    q = KernelQuery(fp8_scheme("block", "dynamic_group"), "cuda", (9, 0), 256, 256)
     sel = select(q)
     assert sel.kernel.name != "fp8_inductor"
     with pytest.raises(qcompile.errors.UnsupportedError, match="fp8_inductor.*no block / group recipe"):

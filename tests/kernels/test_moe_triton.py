@@ -355,8 +355,9 @@ def test_opcheck(name):
 
 def op_call(args: dict, backend: str, on_input: bool = False) -> list:
     """The positional arguments of torch.ops.qcompile.fused_moe for make_moe_inputs' ``args``."""
-    return [args[n] for n in ("x", "topk_ids", "topk_weights", "w13", "w2", "w13_scale", "w2_scale", "a13_scale",
-                              "a2_scale", "b13", "b2", "scheme", "activation")] + [on_input, 1.702, 7.0, backend]
+    activation = args["activation"] + (":1.702:7.0" if args["activation"] == "swigluoai" else "")
+    return [args[n] for n in ("x", "topk_ids", "topk_weights", "w13", "w13_scale", "a13_scale", "w2", "w2_scale",
+                              "a2_scale", "b13", "b2")] + [activation, args["scheme"], on_input, backend]
 
 
 def test_opcheck_swigluoai_biases():
