@@ -18,6 +18,7 @@ import re
 
 import pytest
 import torch
+from expecttest import assert_expected_inline
 from safetensors import safe_open
 
 import qcompile
@@ -47,6 +48,13 @@ CASES = {
     "llmcompressor-nvfp4a16-moe": (QWEN_TINY, "w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=none", 0.15),
     "llmcompressor-w8a16-moe": (QWEN_TINY, "w=int8/group128/pack=int32;a=none", 0.02),
     "llmcompressor-w4a8-moe": (QWEN_TINY, "w=int4/group32;a=int8/dynamic/token", 0.2),
+    "quark-w8a8-int8-moe": (QWEN_TINY, "w=int8/tensor;a=int8/static/tensor", 0.02),
+    "quark-w-mxfp4-a-mxfp4-moe": (QWEN_TINY, "w=fp4_e2m1/group32:e8m0/pack=uint8;a=fp4_e2m1/dynamic/group32:e8m0", 0.15),
+    "quark-w-mxfp4-a-fp8-moe": (QWEN_TINY, "w=fp4_e2m1/group32:e8m0/pack=uint8;a=fp8_e4m3/static/tensor", 0.15),
+    "quark-w-mxfp6-e3m2-moe": (QWEN_TINY, "w=fp6_e3m2/group32:e8m0/pack=uint8_fp6;a=fp6_e3m2/dynamic/group32:e8m0",
+                               0.1),
+    "quark-w-mxfp6-e2m3-moe": (QWEN_TINY, "w=fp6_e2m3/group32:e8m0/pack=uint8_fp6;a=fp6_e2m3/dynamic/group32:e8m0",
+                               0.1),
     "modelopt-mxfp8-moe": (QWEN_TINY, "w=fp8_e4m3/group32:e8m0;a=fp8_e4m3/dynamic/group32:e8m0", 0.06),
     "llmcompressor-fp8-dynamic-mixtral": (MIXTRAL_TINY, "w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token", 0.04),
     "llmcompressor-w4a16-mixtral": (MIXTRAL_TINY, "w=int4/group128/pack=int32;a=none", 0.2),
@@ -150,3 +158,86 @@ def test_dequantized_weights_match_the_base_model(testdata, name):
         for p in ("gate_up_proj", "down_proj"):
             err = rel_err(getattr(hf, p), getattr(base[path], p))
             assert err < tol, f"{path}.{p}: {err:.3f}"
+
+
+def test_partial_blocks_dequantize_per_shard(testdata):
+    """DeepSeek-V3 shapes: 192-row kv_a_proj_with_mqa and 192-row gate / up shards end in partial
+    128-row blocks; each shard's rows keep their own blocks (read back from the file)."""
+    path = testdata / "llmcompressor-fp8-block-deepseekv3"
+    model = load(testdata, path.name)
+    kv = model.model.layers[0].self_attn.kv_a_proj_with_mqa
+    assert isinstance(kv, QuantLinear) and kv.out_features == 192 and kv.weight_scale.shape == (2, 2)
+    hf = experts_of(model)["model.layers.1.mlp.experts"].dequantized(torch.float32)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for e in range(4):
+            for leaf, rows in (("gate_proj", slice(0, 192)), ("up_proj", slice(192, 384))):
+                prefix = f"model.layers.1.mlp.experts.{e}.{leaf}"
+                w, s = f.get_tensor(f"{prefix}.weight").float(), f.get_tensor(f"{prefix}.weight_scale").float()
+                want = w * s.repeat_interleave(128, 0)[:192].repeat_interleave(128, 1)
+                assert torch.equal(hf.gate_up_proj[e, rows], want)
+
+
+def compile_graph(model):
+    """(eager logits, compiled logits, the graph after the passes as code): aot_eager, one graph."""
+    graphs = []
+    torch._dynamo.reset()
+    be = qcompile.backend(inner="aot_eager", on_graph=lambda before, after: graphs.append(after))
+    with torch.no_grad():
+        want = model(IDS).logits
+        got = torch.compile(model, backend=be, fullgraph=True)(IDS).logits
+    assert len(graphs) == 1
+    return want, got, graphs[0]
+
+
+def op_lines(code: str) -> list[str]:
+    """The graph's quantized-op calls as ``op module scheme``, the module's path shortened."""
+    out = []
+    for line in code.splitlines():
+        m = re.search(r"torch\.ops\.qcompile\.(\w+?)(?:\.default)?\(.*?l_(?:self|args_0)_modules_model_modules_layers_"
+                      r"modules_(\d+)_modules_(\w+?)_parameters_.*?'(w=[^']*)'", line)
+        if m:
+            out.append(f"{m.group(1)} layers.{m.group(2)}.{m.group(3).replace('_modules_', '.')} {m.group(4)}")
+    return out
+
+
+def _compiled_ops(testdata, name) -> str:
+    model = load(testdata, name)
+    want, got, code = compile_graph(model)
+    # aot_eager: the experts run the same reference op; a weight-only linear's kernel multiplies in bf16 (~1 %)
+    assert rel_err(got, want) < 0.02
+    lines = op_lines(code)
+    assert sum(line.startswith("experts_ref ") for line in lines) == len(experts_of(model))
+    assert not any(".experts." in line for line in lines if not line.startswith("experts_ref"))
+    return "\n".join(line for line in lines if line.split()[1].startswith("layers.1."))
+
+
+def test_modelopt_moe_compiles_to_one_experts_op_per_layer(testdata):
+    assert_expected_inline(_compiled_ops(testdata, "modelopt-fp8-moe"), """\
+fp8_linear layers.1.self_attn.q_proj w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor
+fp8_linear layers.1.self_attn.k_proj w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor
+fp8_linear layers.1.self_attn.v_proj w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor
+fp8_linear layers.1.self_attn.o_proj w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor
+experts_ref layers.1.mlp.experts w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor""")
+
+
+def test_compressed_tensors_moe_compiles_to_one_experts_op_per_layer(testdata):
+    assert_expected_inline(_compiled_ops(testdata, "llmcompressor-w4a16-gptq-moe"), """\
+wo_linear layers.1.self_attn.q_proj w=int4/group128/pack=int32;a=none
+wo_linear layers.1.self_attn.k_proj w=int4/group128/pack=int32;a=none
+wo_linear layers.1.self_attn.v_proj w=int4/group128/pack=int32;a=none
+wo_linear layers.1.self_attn.o_proj w=int4/group128/pack=int32;a=none
+experts_ref layers.1.mlp.experts w=int4/group128/pack=int32;a=none""")
+
+
+def test_quark_moe_compiles_to_one_experts_op_per_layer(testdata):
+    assert_expected_inline(_compiled_ops(testdata, "quark-w-mxfp4-moe"), """\
+wo_linear layers.1.self_attn.q_proj w=fp4_e2m1/group32:e8m0/pack=uint8;a=none
+wo_linear layers.1.self_attn.k_proj w=fp4_e2m1/group32:e8m0/pack=uint8;a=none
+wo_linear layers.1.self_attn.v_proj w=fp4_e2m1/group32:e8m0/pack=uint8;a=none
+wo_linear layers.1.self_attn.o_proj w=fp4_e2m1/group32:e8m0/pack=uint8;a=none
+experts_ref layers.1.mlp.experts w=fp4_e2m1/group32:e8m0/pack=uint8;a=none""")
+
+
+@pytest.mark.parametrize("name", ["llmcompressor-fp8-dynamic-mixtral", "llmcompressor-fp8-block-deepseekv3"])
+def test_other_architectures_compile_to_one_experts_op_per_layer(testdata, name):
+    _compiled_ops(testdata, name)
