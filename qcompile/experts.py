@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -142,6 +142,7 @@ class QuantExperts(nn.Module):
         self.dtype = dtype
         self.num_experts, self.hidden_dim, self.intermediate_dim = shape.num_experts, shape.hidden, shape.intermediate
         self.finalized = False
+        self.block_split = 1  # row blocks of the block scales cut in this many (_split_partial_row_blocks)
         self.requantized: list[int] = []  # experts whose gate / up shard was requantized to a shared scale
         self.__dict__["slots"] = []  # every ExpertSlot, kept after loading for saving
         self.__dict__["per_shard"] = {}  # (group, role) -> [E, shards, ...] scalars / g_idx as loaded
@@ -232,6 +233,7 @@ class QuantExperts(nn.Module):
         stack, per_shard = self.stack, self.per_shard
         for (group, role), t in per_shard.items():
             stack[group, role] = self._merge(group, role, t)
+        self._split_partial_row_blocks()
         for e in range(self.num_experts):
             delattr(self, str(e))
         for (group, role), t in stack.items():
@@ -293,6 +295,26 @@ class QuantExperts(nn.Module):
                      len(self.requantized))
         return torch.maximum(gate, up).contiguous()
 
+    def _split_partial_row_blocks(self) -> None:
+        """Block scales whose gate / up shards end in a partial row block (I not a multiple of block_n):
+        stacked, the up rows would fall under the gate's blocks. Each bn-row block is cut into bn/r blocks
+        of r = gcd(I, bn) rows holding the same scale, for w13 and w2 alike (one scheme), so that the
+        stacked grid is exact; kernels that need whole 128-row blocks then decline (``block_split``
+        undoes it when saving)."""
+        scheme = parse_scheme_key(self.scheme_key)
+        w = scheme.weight
+        bn, bk = w.scale.block
+        if w.scale.granularity is not Granularity.BLOCK or self.intermediate % bn == 0:
+            return
+        rows = math.gcd(self.intermediate, bn)
+        split = bn // rows
+        for group, n, shards in (("w13", self.intermediate, 2), ("w2", self.hidden_dim, 1)):
+            t = self.stack[group, "weight_scale"]
+            t = t.view(t.shape[0], shards, -1, t.shape[-1]).repeat_interleave(split, dim=2)[:, :, :-(-n // rows)]
+            self.stack[group, "weight_scale"] = t.reshape(t.shape[0], -1, t.shape[-1]).contiguous()
+        self.block_split = split
+        self.scheme_key = replace(scheme, weight=replace(w, scale=replace(w.scale, block=(rows, bk)))).key
+
     @property
     def intermediate(self) -> int:
         return self.intermediate_dim
@@ -314,6 +336,8 @@ class QuantExperts(nn.Module):
             for spec in self.lq.tensors:
                 if spec.role in slot.disk:
                     t = self._canonical_of(slot, spec.role)
+                    if spec.role == "weight_scale" and self.block_split > 1:
+                        t = t[::self.block_split]
                     out[f"{slot.expert}.{leaf}.{slot.disk[spec.role].name}"] = slot._to_disk(spec, t)
             if slot.bias is not None:
                 out[f"{slot.expert}.{leaf}.bias"] = self._rows(self.w13_bias if slot.group == "w13" else self.w2_bias,

@@ -349,16 +349,15 @@ def _in_safetensors_mapping(start: int, end: int) -> bool:
 
 
 def _check_divisible(lq: LayerQuant, name: str, n: int, k: int) -> None:
+    """Online block quantization needs whole blocks. A checkpoint's block scales may end in partial
+    blocks (producers write ceil(N/bn) x ceil(K/bk) grids, e.g. DeepSeek-V3's 576-row kv_a_proj_with_mqa):
+    the reference runs them, kernels that need whole blocks decline."""
     w = lq.scheme.weight.scale
-    if w.granularity is Granularity.BLOCK and (n % w.block[0] or k % w.block[1]):
+    if lq.online and w.granularity is Granularity.BLOCK and (n % w.block[0] or k % w.block[1]):
         raise CheckpointError(
             f"block-quantized layer has out_features={n}, in_features={k}, not multiples of the "
             f"{w.block[0]}x{w.block[1]} block", where=name,
             fix="exclude this layer from quantization (config ignore / exclude_modules) or use a per-channel scheme")
-    g = lq.scheme.act.scale.group_size if lq.scheme.act and lq.scheme.act.scale.granularity is Granularity.GROUP else 0
-    if g and k % g:
-        raise CheckpointError(f"in_features={k} is not a multiple of the activation group size {g}", where=name,
-                              fix="exclude this layer from quantization")
 
 
 def _check_finite(t: torch.Tensor, layer: str, tensor: str) -> None:

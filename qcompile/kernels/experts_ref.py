@@ -12,7 +12,8 @@ activation scales are 0-d, shared by all experts); the biases ``w13_bias`` [E, 2
 or None; ``activation`` (:func:`gated_activation`) and ``scheme`` (the experts' QuantScheme key). Its
 math, in fp32, for every token t and each of its k (expert e, weight r):
 
-    h   = qdq(x_t) @ dequantize(w13[e]).T + b13[e]          (qdq when the scheme quantizes activations)
+    h   = qdq(x_t) @ dequantize(w13[e]).T + b13[e]          (qdq when the scheme quantizes activations;
+                                                          a dynamic per-tensor scale spans the batch)
     a   = act(h[:I]) * h[I:]   (rounded to the activation dtype, as every fused kernel keeps it)
     y_t += r * (qdq(a) @ dequantize(w2[e]).T + b2[e])
 
@@ -26,10 +27,12 @@ formula); the quantized tensors and the biases are frozen.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..errors import UnsupportedError
-from ..scheme import parse_scheme_key
+from ..scheme import Granularity, QDtype, parse_scheme_key
 from . import quant_math
 from .reference import reference_supports
 from .registry import Kernel, KernelQuery, register
@@ -89,6 +92,34 @@ def _routes(top_k_index: torch.Tensor, num_experts: int):
             yield e, rows, slot
 
 
+def _batch_scale(spec, batch: torch.Tensor, tensors: tuple) -> tuple:
+    """Dynamic per-tensor activation scales are taken over the whole batch a projection sees (every
+    token for w13, every routed (token, expert) row for w2), as the fused kernels quantize it: (the
+    scheme with that scale made static, ``tensors`` with it as input_scale). Other schemes as they are."""
+    act = spec.act
+    if act is None or not act.dynamic or act.scale.granularity is not Granularity.TENSOR or \
+            act.dtype not in (QDtype.FP8_E4M3, QDtype.INT8):
+        return spec, tensors
+    _, scale = quant_math.quantize_activation(batch, act)
+    return replace(spec, act=replace(act, dynamic=False)), (*tensors[:5], scale, *tensors[6:])
+
+
+def _hidden(x, top_k_index, top_k_weights, w13, w13_bias, activation, spec, on_input):
+    """The first half for every expert any token routes to: [(e, rows, slot, r, h, a)] and the w2
+    scheme (with its batch scale, :func:`_batch_scale`)."""
+    routes = list(_routes(top_k_index, w13[0].shape[0]))
+    parts = []
+    for e, rows, slot in routes:
+        r = top_k_weights[rows, slot].float().unsqueeze(-1)
+        parts.append((e, rows, slot, r, (x[rows].float() * r).to(x.dtype) if on_input else x[rows]))
+    spec13, w13 = _batch_scale(spec, torch.cat([p[4] for p in parts]) if on_input and parts else x, w13)
+    out = []
+    for e, rows, slot, r, xe in parts:
+        h = quant_math.reference_linear(xe, spec13, *expert_slice(w13, e), None if w13_bias is None else w13_bias[e])
+        out.append((e, rows, slot, r, h, gated_activation(h, activation).to(x.dtype)))
+    return out, spec13
+
+
 def reference_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w13: tuple,
                       w2: tuple, w13_bias, w2_bias, activation: str, scheme: str, on_input: bool = False
                       ) -> torch.Tensor:
@@ -96,12 +127,12 @@ def reference_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights:
     :data:`ROLES` order."""
     spec = parse_scheme_key(scheme)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e, rows, slot in _routes(top_k_index, w13[0].shape[0]):
-        r = top_k_weights[rows, slot].float().unsqueeze(-1)
-        xe = (x[rows].float() * r).to(x.dtype) if on_input else x[rows]
-        h = quant_math.reference_linear(xe, spec, *expert_slice(w13, e), None if w13_bias is None else w13_bias[e])
-        a = gated_activation(h, activation).to(x.dtype)
-        y = quant_math.reference_linear(a, spec, *expert_slice(w2, e), None if w2_bias is None else w2_bias[e])
+    parts, _ = _hidden(x, top_k_index, top_k_weights, w13, w13_bias, activation, spec, on_input)
+    if not parts:
+        return out
+    spec2, w2 = _batch_scale(spec, torch.cat([p[5] for p in parts]), w2)
+    for e, rows, slot, r, h, a in parts:
+        y = quant_math.reference_linear(a, spec2, *expert_slice(w2, e), None if w2_bias is None else w2_bias[e])
         out.index_add_(0, rows, y if on_input else y * r)
     return out
 
@@ -113,13 +144,13 @@ def reference_experts_grad(grad: torch.Tensor, x: torch.Tensor, top_k_index: tor
     every activation quantization (and the intermediate's rounding) passed straight through."""
     spec = parse_scheme_key(scheme)
     gx, gr = torch.zeros(x.shape, dtype=torch.float32, device=x.device), torch.zeros_like(top_k_weights, dtype=torch.float32)
-    for e, rows, slot in _routes(top_k_index, w13[0].shape[0]):
+    parts, _ = _hidden(x, top_k_index, top_k_weights, w13, w13_bias, activation, spec, on_input)
+    if not parts:
+        return gx, gr
+    spec2, w2 = _batch_scale(spec, torch.cat([p[5] for p in parts]), w2)
+    for e, rows, slot, r, h, a in parts:
         t13, t2 = expert_slice(w13, e), expert_slice(w2, e)
         d13 = quant_math.dequantize_weight(t13[0], t13[1], spec.weight, t13[2], t13[3], t13[4], k=x.shape[-1])
-        r = top_k_weights[rows, slot].float().unsqueeze(-1)
-        xe = (x[rows].float() * r).to(x.dtype) if on_input else x[rows]
-        h = quant_math.reference_linear(xe, spec, *t13, None if w13_bias is None else w13_bias[e])
-        a = gated_activation(h, activation).to(x.dtype)
         d2 = quant_math.dequantize_weight(t2[0], t2[1], spec.weight, t2[2], t2[3], t2[4], k=a.shape[-1])
         g = grad[rows].float()
         if on_input:
@@ -127,7 +158,7 @@ def reference_experts_grad(grad: torch.Tensor, x: torch.Tensor, top_k_index: tor
             gx.index_add_(0, rows, g_xe * r)
             gr[rows, slot] = (g_xe * x[rows].float()).sum(-1)
             continue
-        y = quant_math.reference_linear(a, spec, *t2, None if w2_bias is None else w2_bias[e])
+        y = quant_math.reference_linear(a, spec2, *t2, None if w2_bias is None else w2_bias[e])
         gr[rows, slot] = (g * y).sum(-1)
         gx.index_add_(0, rows, gated_activation(h, activation, (g * r) @ d2) @ d13)
     return gx, gr

@@ -32,11 +32,17 @@ def dynamic_fp8_scale(x: torch.Tensor, granularity: Granularity, group_size: int
     elif granularity is Granularity.TOKEN:
         amax = xf.amax(dim=-1, keepdim=True)
     elif granularity is Granularity.GROUP:
-        m, k = x.shape
-        amax = xf.view(m, k // group_size, group_size).amax(dim=-1)
+        amax = groups(xf, group_size).amax(dim=-1)
     else:
         raise AssertionError(f"activation granularity {granularity}")
     return fp8_scale_from_amax(amax)
+
+
+def groups(x: torch.Tensor, g: int) -> torch.Tensor:
+    """x [M, K] as fp32 [M, ceil(K/g), g]: 1 x g groups along K, a partial last group padded with zeros
+    (which change no group's amax: a K that is not a multiple of g has a last group of K % g elements)."""
+    m, k = x.shape
+    return torch.nn.functional.pad(x.float(), (0, -k % g)).view(m, -(-k // g), g)
 
 
 def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -351,8 +357,7 @@ def quantize_activation(x: torch.Tensor, act: ActSpec, input_scale: torch.Tensor
         scale = input_scale.float().reshape(())
     if act.scale.granularity is Granularity.GROUP:
         m, k = x.shape
-        g = act.scale.group_size
-        q = quantize_fp8(x.float().view(m, k // g, g), scale.unsqueeze(-1)).view(m, k)
+        q = quantize_fp8(groups(x, act.scale.group_size), scale.unsqueeze(-1)).view(m, -1)[:, :k]
     else:
         q = quantize_fp8(x, scale)
     return q, scale
@@ -416,8 +421,7 @@ def qdq_activation(x: torch.Tensor, act: ActSpec, input_scale=None, input_global
 def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, act: ActSpec) -> torch.Tensor:
     if act.scale.granularity is Granularity.GROUP:
         m, k = q.shape
-        g = act.scale.group_size
-        return (q.float().view(m, k // g, g) * scale.unsqueeze(-1)).view(m, k)
+        return (groups(q, act.scale.group_size) * scale.unsqueeze(-1)).view(m, -1)[:, :k]
     return q.float() * scale
 
 

@@ -1,0 +1,243 @@
+"""Every quantized MoE checkpoint format of the producers: loads quantized (QuantExperts), runs the
+reference op eagerly, matches the dequantized reference, compiles into one experts op per MoE layer.
+
+Checkpoints: tests/data/checkpoints (README there says which producer wrote each). Tolerances:
+
+* experts vs the dequantized reference (the module's own math on the dequantized weights, activations
+  quantize-dequantized as the scheme says), fp32 inputs: relative error < 1e-5. The same arithmetic in
+  another order; a stacking or scale-merge bug gives >= 1 %.
+* dequantized weights vs the unquantized model they were made from: each format's rounding error
+  (table below); a transposed shard or a reciprocal scale gives >= 100 %.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+from safetensors import safe_open
+
+import qcompile
+from qcompile.experts import QuantExperts, is_experts
+from qcompile.kernels import quant_math
+from qcompile.kernels.experts_ref import gated_activation
+from qcompile.linear import QuantLinear, dequantize_model
+from qcompile.scheme import parse_scheme_key
+
+IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128, 5, 300, 11]])
+FP8_T = "w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor"
+NVFP4 = "w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global"
+QWEN_TINY, MIXTRAL_TINY = "base-bf16-qwen3moe-tiny", "base-bf16-mixtral-tiny"
+
+# checkpoint -> (the bf16 model it was made from, the experts' scheme, dequantized weights vs it: rel. error)
+# Weight rounding on these random weights: fp8 per tensor 3-5 %, 8-bit int 1 %, 4-bit 10-15 %.
+CASES = {
+    "modelopt-fp8-moe": ("base-bf16-moe", FP8_T, 0.06),
+    "modelopt-nvfp4-moe": ("base-bf16-moe", NVFP4, 0.15),
+    "llmcompressor-fp8-dynamic-moe": ("base-bf16-moe", "w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token", 0.04),
+    "llmcompressor-nvfp4-moe": ("base-bf16-moe", NVFP4, 0.15),
+    "llmcompressor-w4a16-gptq-moe": ("base-bf16-moe", "w=int4/group128/pack=int32;a=none", 0.2),
+    "quark-w-mxfp4-moe": ("base-bf16-moe", "w=fp4_e2m1/group32:e8m0/pack=uint8;a=none", 0.15),
+    "llmcompressor-fp8-static-moe": (QWEN_TINY, FP8_T, 0.06),
+    "llmcompressor-fp8-dyntensor-moe": (QWEN_TINY, "w=fp8_e4m3/tensor;a=fp8_e4m3/dynamic/tensor", 0.06),
+    "llmcompressor-fp8-block-moe": (QWEN_TINY, "w=fp8_e4m3/block128x128;a=fp8_e4m3/dynamic/group128", 0.05),
+    "llmcompressor-nvfp4a16-moe": (QWEN_TINY, "w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=none", 0.15),
+    "llmcompressor-w8a16-moe": (QWEN_TINY, "w=int8/group128/pack=int32;a=none", 0.02),
+    "llmcompressor-w4a8-moe": (QWEN_TINY, "w=int4/group32;a=int8/dynamic/token", 0.2),
+    "quark-w8a8-int8-moe": (QWEN_TINY, "w=int8/tensor;a=int8/static/tensor", 0.02),
+    "quark-w-mxfp4-a-mxfp4-moe": (QWEN_TINY, "w=fp4_e2m1/group32:e8m0/pack=uint8;a=fp4_e2m1/dynamic/group32:e8m0", 0.15),
+    "quark-w-mxfp4-a-fp8-moe": (QWEN_TINY, "w=fp4_e2m1/group32:e8m0/pack=uint8;a=fp8_e4m3/static/tensor", 0.15),
+    "quark-w-mxfp6-e3m2-moe": (QWEN_TINY, "w=fp6_e3m2/group32:e8m0/pack=uint8_fp6;a=fp6_e3m2/dynamic/group32:e8m0",
+                               0.1),
+    "quark-w-mxfp6-e2m3-moe": (QWEN_TINY, "w=fp6_e2m3/group32:e8m0/pack=uint8_fp6;a=fp6_e2m3/dynamic/group32:e8m0",
+                               0.1),
+    "modelopt-mxfp8-moe": (QWEN_TINY, "w=fp8_e4m3/group32:e8m0;a=fp8_e4m3/dynamic/group32:e8m0", 0.06),
+    "llmcompressor-fp8-dynamic-mixtral": (MIXTRAL_TINY, "w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token", 0.04),
+    "llmcompressor-w4a16-mixtral": (MIXTRAL_TINY, "w=int4/group128/pack=int32;a=none", 0.2),
+    # moe_intermediate 192: the 128-row blocks of gate and up end in partial blocks, split in 64-row ones
+    "llmcompressor-fp8-block-deepseekv3": (None, "w=fp8_e4m3/block64x128;a=fp8_e4m3/dynamic/group128", None),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str):
+    return qcompile.load(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _base(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+
+
+def load(testdata, name):
+    if not (testdata / name).is_dir():
+        pytest.skip(f"{name} is not among the test checkpoints")
+    return _load(str(testdata / name))
+
+
+def experts_of(model) -> dict[str, QuantExperts]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def routed(experts, tokens: int = 24, seed: int = 0):
+    """Random fp32 hidden states, top-k ids covering every expert, and router weights."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, experts.hidden_dim, generator=g)
+    ids = torch.stack([torch.randperm(experts.num_experts, generator=g)[:2] for _ in range(tokens)])
+    return x, ids, torch.rand(tokens, 2, generator=g)
+
+
+def dequantized_reference(experts: QuantExperts, x, ids, weights) -> torch.Tensor:
+    """Per token and expert, on the weights of ``experts.dequantized`` (the HF module, fp32):
+    qdq(x) @ W13.T -> gated activation -> qdq -> @ W2.T, weighted by the router."""
+    hf = experts.dequantized(torch.float32)
+    gate_up, down = hf.gate_up_proj, hf.down_proj
+    if experts.shape.transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    if experts.shape.interleaved:
+        gate_up = torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1)
+    act = parse_scheme_key(experts.scheme_key).act
+    scales = {role: getattr(experts, role, None) for role in
+              ("w13_input_scale", "w13_input_global_scale", "w2_input_scale", "w2_input_global_scale")}
+
+    def qdq(v, group):
+        if act is None:
+            return v
+        return quant_math.qdq_activation(v, act, scales[f"{group}_input_scale"], scales[f"{group}_input_global_scale"])
+
+    pairs = [(t, slot, e) for t in range(x.shape[0]) for slot, e in enumerate(ids[t].tolist())]
+    xq = qdq(x, "w13")  # a dynamic per-tensor scale spans the batch, as the fused kernels quantize it
+    a = torch.cat([gated_activation(xq[t:t + 1] @ gate_up[e].t(), experts.activation) for t, _, e in pairs])
+    aq = qdq(a, "w2")
+    out = torch.zeros_like(x)
+    for i, (t, slot, e) in enumerate(pairs):
+        out[t] += weights[t, slot] * (aq[i:i + 1] @ down[e].t())[0]
+    return out
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_loads_quantized(testdata, name):
+    model = load(testdata, name)
+    found = experts_of(model)
+    assert len(found) == model.config.num_hidden_layers - getattr(model.config, "first_k_dense_replace", 0)
+    assert not any(is_experts(m) for m in model.modules()), "an experts module stayed in bf16"
+    for experts in found.values():
+        assert experts.scheme_key == CASES[name][1]
+        assert experts.w13_weight.dtype in (torch.float8_e4m3fn, torch.uint8, torch.int32, torch.int8)
+        assert experts.w13_weight.shape[:2] == (experts.num_experts, 2 * experts.intermediate_dim)
+        assert not any(isinstance(m, QuantLinear) for m in experts.modules())
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_experts_match_the_dequantized_reference(testdata, name):
+    for experts in experts_of(load(testdata, name)).values():
+        x, ids, weights = routed(experts)
+        with torch.no_grad():
+            got = experts(x, ids, weights)
+        assert rel_err(got, dequantized_reference(experts, x, ids, weights)) < 1e-5
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_dequantized_weights_match_the_base_model(testdata, name):
+    base_name, _, tol = CASES[name]
+    if base_name is None or not (testdata / base_name).is_dir():
+        pytest.skip(f"{base_name} is not among the test checkpoints")
+    base = dict(_base(str(testdata / base_name)).named_modules())
+    for path, experts in experts_of(load(testdata, name)).items():
+        hf = experts.dequantized(torch.float32)
+        for p in ("gate_up_proj", "down_proj"):
+            err = rel_err(getattr(hf, p), getattr(base[path], p))
+            assert err < tol, f"{path}.{p}: {err:.3f}"
+
+
+def test_partial_blocks_dequantize_per_shard(testdata):
+    """DeepSeek-V3 shapes: 192-row kv_a_proj_with_mqa and 192-row gate / up shards end in partial
+    128-row blocks; each shard's rows keep their own blocks (read back from the file)."""
+    path = testdata / "llmcompressor-fp8-block-deepseekv3"
+    model = load(testdata, path.name)
+    kv = model.model.layers[0].self_attn.kv_a_proj_with_mqa
+    assert isinstance(kv, QuantLinear) and kv.out_features == 192 and kv.weight_scale.shape == (2, 2)
+    hf = experts_of(model)["model.layers.1.mlp.experts"].dequantized(torch.float32)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for e in range(4):
+            for leaf, rows in (("gate_proj", slice(0, 192)), ("up_proj", slice(192, 384))):
+                prefix = f"model.layers.1.mlp.experts.{e}.{leaf}"
+                w, s = f.get_tensor(f"{prefix}.weight").float(), f.get_tensor(f"{prefix}.weight_scale").float()
+                want = w * s.repeat_interleave(128, 0)[:192].repeat_interleave(128, 1)
+                assert torch.equal(hf.gate_up_proj[e, rows], want)
+
+
+def compile_graph(model):
+    """(eager logits, compiled logits, the graph after the passes as code): aot_eager, one graph."""
+    graphs = []
+    torch._dynamo.reset()
+    be = qcompile.backend(inner="aot_eager", on_graph=lambda before, after: graphs.append(after))
+    with torch.no_grad():
+        want = model(IDS).logits
+        got = torch.compile(model, backend=be, fullgraph=True)(IDS).logits
+    assert len(graphs) == 1
+    return want, got, graphs[0]
+
+
+def op_lines(code: str) -> list[str]:
+    """The graph's quantized-op calls as ``op module scheme``, the module's path shortened."""
+    out = []
+    for line in code.splitlines():
+        m = re.search(r"torch\.ops\.qcompile\.(\w+?)(?:\.default)?\(.*?l_(?:self|args_0)_modules_model_modules_layers_"
+                      r"modules_(\d+)_modules_(\w+?)_parameters_.*?'(w=[^']*)'", line)
+        if m:
+            out.append(f"{m.group(1)} layers.{m.group(2)}.{m.group(3).replace('_modules_', '.')} {m.group(4)}")
+    return out
+
+
+def _compiled_ops(testdata, name) -> str:
+    model = load(testdata, name)
+    want, got, code = compile_graph(model)
+    # aot_eager: the experts run the same reference op; a weight-only linear's kernel multiplies in bf16 (~1 %)
+    assert rel_err(got, want) < 0.02
+    lines = op_lines(code)
+    assert sum(line.startswith("experts_ref ") for line in lines) == len(experts_of(model))
+    assert not any(".experts." in line for line in lines if not line.startswith("experts_ref"))
+    return "\n".join(line for line in lines if line.split()[1].startswith("layers.1."))
+
+
+def test_modelopt_moe_compiles_to_one_experts_op_per_layer(testdata):
+    assert_expected_inline(_compiled_ops(testdata, "modelopt-fp8-moe"), """\
+fp8_linear layers.1.self_attn.q_proj w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor
+fp8_linear layers.1.self_attn.k_proj w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor
+fp8_linear layers.1.self_attn.v_proj w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor
+fp8_linear layers.1.self_attn.o_proj w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor
+experts_ref layers.1.mlp.experts w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor""")
+
+
+def test_compressed_tensors_moe_compiles_to_one_experts_op_per_layer(testdata):
+    assert_expected_inline(_compiled_ops(testdata, "llmcompressor-w4a16-gptq-moe"), """\
+wo_linear layers.1.self_attn.q_proj w=int4/group128/pack=int32;a=none
+wo_linear layers.1.self_attn.k_proj w=int4/group128/pack=int32;a=none
+wo_linear layers.1.self_attn.v_proj w=int4/group128/pack=int32;a=none
+wo_linear layers.1.self_attn.o_proj w=int4/group128/pack=int32;a=none
+experts_ref layers.1.mlp.experts w=int4/group128/pack=int32;a=none""")
+
+
+def test_quark_moe_compiles_to_one_experts_op_per_layer(testdata):
+    assert_expected_inline(_compiled_ops(testdata, "quark-w-mxfp4-moe"), """\
+wo_linear layers.1.self_attn.q_proj w=fp4_e2m1/group32:e8m0/pack=uint8;a=none
+wo_linear layers.1.self_attn.k_proj w=fp4_e2m1/group32:e8m0/pack=uint8;a=none
+wo_linear layers.1.self_attn.v_proj w=fp4_e2m1/group32:e8m0/pack=uint8;a=none
+wo_linear layers.1.self_attn.o_proj w=fp4_e2m1/group32:e8m0/pack=uint8;a=none
+experts_ref layers.1.mlp.experts w=fp4_e2m1/group32:e8m0/pack=uint8;a=none""")
+
+
+@pytest.mark.parametrize("name", ["llmcompressor-fp8-dynamic-mixtral", "llmcompressor-fp8-block-deepseekv3"])
+def test_other_architectures_compile_to_one_experts_op_per_layer(testdata, name):
+    _compiled_ops(testdata, name)
