@@ -217,7 +217,7 @@ if HAS_TRITON:
         if INT8:
             s = tl.maximum(tl.math.div_rn(amax, 127.0), 1.1754943508222875e-38)
         else:
-            s = _fp8_scale(amax)
+            s = _fp8_scale(amax, False)
         return s
 
     @triton.jit
@@ -228,7 +228,7 @@ if HAS_TRITON:
             r = (tl.abs(y) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # RTNE of |y| <= 128
             q = tl.where(y < 0, -r, r).to(tl.int8)
         else:
-            q = _fp8_bits(x, s, NATIVE_FP8).to(tl.float8e4nv, bitcast=True)
+            q = _fp8_bits(x, s, NATIVE_FP8, False).to(tl.float8e4nv, bitcast=True)
         return q
 
     @triton.jit
