@@ -250,12 +250,12 @@ if HAS_TRITON:
             if PROMOTE:
                 r = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=step_k)  # [BN, BM]
             else:
-                r = tl.dot(w, tl.trans(a), acc)
+                r = tl.dot(w, tl.trans(a), acc, out_dtype=acc.dtype)
         else:
             if PROMOTE:
                 r = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=step_k)  # [BM, BN]
             else:
-                r = tl.dot(a, tl.trans(w), acc)
+                r = tl.dot(a, tl.trans(w), acc, out_dtype=acc.dtype)
         return r
 
     @triton.jit
