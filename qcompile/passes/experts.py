@@ -189,11 +189,12 @@ def _activation(region: list[fx.Node], key: str) -> str:
                    for n in region)
         return "gelu_tanh" if kind == "gelu" and tanh else kind
     sigmoid = [n for n in region if n.target in (torch.sigmoid, torch.ops.aten.sigmoid.default)]
-    clamps = [n for n in region if n.target == "clamp" and n.kwargs.get("min") is None]
-    scaled = sigmoid[0].args[0] if len(sigmoid) == 1 else None
+    scaled = sigmoid[0].args[0] if len(sigmoid) == 1 else None  # sigmoid(gate.clamp(max=limit) * alpha)
     alpha = [a for a in getattr(scaled, "args", ()) if isinstance(a, float)]
-    if len(clamps) == 1 and len(alpha) == 1:
-        return f"swigluoai:{alpha[0]}:{float(clamps[0].kwargs['max'])}"
+    gate = [a for a in getattr(scaled, "args", ()) if isinstance(a, fx.Node) and a.target == "clamp"]
+    limit = gate[0].kwargs.get("max", gate[0].args[2] if len(gate[0].args) > 2 else None) if gate else None
+    if len(alpha) == 1 and isinstance(limit, (int, float)):
+        return f"swigluoai:{alpha[0]}:{float(limit)}"
     raise NotRecognised("the experts' activation is not one experts_ref computes")
 
 
