@@ -89,7 +89,7 @@ class QCompileBackend:
 
         kernels = self.options.kernels
         return [lambda gm, ex: lower_linears(gm, ex, kernels=kernels, online=self._online),
-                lambda gm, ex: lower_experts(gm, ex, kernels=kernels)]
+                lambda gm, ex: lower_experts(gm, ex, kernels=kernels, online=self._online)]
 
     @property
     def rows(self) -> list:

@@ -33,6 +33,7 @@ Life cycle (driven by :mod:`qcompile.loading`), as :class:`~qcompile.linear.Quan
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import warnings
@@ -78,6 +79,7 @@ class ExpertsShape:
     interleaved: bool
     has_bias: bool
     activation: str
+    dense: bool = False  # forward(hidden_states) alone: every expert on its block of rows (Llama-4)
 
     @classmethod
     def of(cls, module: nn.Module, name: str) -> "ExpertsShape":
@@ -93,7 +95,8 @@ class ExpertsShape:
                                    fix="only gated experts (gate and up fused) are supported")
         interleaved = not getattr(module, "is_concatenated", True)
         has_bias = isinstance(getattr(module, "gate_up_proj_bias", None), nn.Parameter)
-        return cls(e, h, two_i // 2, transposed, interleaved, has_bias, _activation(module, name))
+        dense = len(inspect.signature(type(module).forward).parameters) == 2  # (self, hidden_states)
+        return cls(e, h, two_i // 2, transposed, interleaved, has_bias, _activation(module, name), dense)
 
 
 def _activation(module: nn.Module, name: str) -> str:
@@ -356,8 +359,10 @@ class QuantExperts(nn.Module):
         return t[slot.expert, slot.shard * rows:(slot.shard + 1) * rows]
 
     # -- forward ---------------------------------------------------------------------------------
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if self.shape.dense:
+            top_k_index, top_k_weights = dense_routing(hidden_states, self.num_experts)
         w13 = [getattr(self, f"w13_{role}", None) for role in ROLES]
         w2 = [getattr(self, f"w2_{role}", None) for role in ROLES]
         return torch.ops.qcompile.experts_ref(hidden_states, top_k_index, top_k_weights, *w13, *w2, self.w13_bias,
@@ -397,6 +402,14 @@ class QuantExperts(nn.Module):
         if self.shape.transposed and not bias:
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         return gate_up.contiguous(), down.contiguous()
+
+
+def dense_routing(hidden_states: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of an experts module whose input is every expert's block of rows, expert-major (Llama-4:
+    [E * T, H], the router weight already applied to the rows): row r goes to expert r // T, weight 1."""
+    rows = hidden_states.shape[0]
+    index = torch.arange(num_experts, device=hidden_states.device).repeat_interleave(rows // num_experts)
+    return index.unsqueeze(-1), hidden_states.new_ones(rows, 1)
 
 
 def experts_on_disk(header: dict) -> dict[str, set[str]]:

@@ -132,7 +132,7 @@ class QCompileHfQuantizer(HfQuantizer):
         """transformers' checkpoint conversions, less those that would merge the per-expert tensors of a
         planned QuantExperts into the fused HF parameters: those tensors load unmerged into its slots."""
         fused = [f"{name}.{p}" for name, m in self.plan.items() if isinstance(m, QuantExperts)
-                 for p in m.hf_template._parameters]
+                 and not getattr(m, "loads_fused", False) for p in m.hf_template._parameters]
         kept = [c for c in weight_conversions if not _merges_into(c, fused)]
         base = super().update_weight_conversions
         return base(kept, model) if "model" in inspect.signature(base).parameters else base(kept)
@@ -327,7 +327,7 @@ def _report_coverage(model: nn.Module, plan: dict, routers: list[str], qconfig: 
     if skipped:
         warnings.warn(f"qcompile: {len(skipped)} nn.Linear subclasses with a forward of their own stay unquantized "
                       f"({skipped[0]}: {type(model.get_submodule(skipped[0])).__name__})", stacklevel=4)
-    experts = [name for name, m in model.named_modules() if is_experts(m)]
+    experts = [name for name, m in model.named_modules() if is_experts(m) and name not in plan]
     if experts:
         warnings.warn(f"qcompile: {len(experts)} MoE experts modules stay in {next(model.parameters()).dtype} "
                       f"({experts[0]}, ...): {qconfig.describe()} does not quantize them", stacklevel=4)
@@ -341,7 +341,13 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
 def _plan_experts(name: str, module: nn.Module, qconfig: QuantConfig, header: dict,
                   on_disk: dict[str, set[str]]) -> QuantExperts | None:
     """The QuantExperts for the HF experts module ``name``, or None when its experts stay in the model
-    dtype (the config leaves them unquantized, or online quantization, which does not cover experts)."""
+    dtype (the config leaves them unquantized). Online: an OnlineExperts, whichever way the checkpoint
+    stores the experts (per expert or fused)."""
+    if qconfig.format == "online":
+        from .online_experts import OnlineExperts
+
+        lq = qconfig.resolve(name, "moe")
+        return None if lq is None else OnlineExperts.plan_online(module, name, lq)
     found = locate_experts(name, on_disk)
     if found is None:
         return None  # stored fused in the model's own layout (bf16), or not at all: transformers loads it

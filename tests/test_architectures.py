@@ -1,15 +1,19 @@
 """Any HF decoder: tiny random configs of 22 architectures load with online FP8 at load, compile with no
 graph break and match the eager model. One rule decides what is a linear (``qcompile.modules``):
 GPT-2's Conv1D projections are quantized, Llama-4's router (an ``nn.Linear`` subclass with a forward of
-its own) and every router / gate are not, by either online path."""
+its own) and every router / gate are not, by either online path. MoE experts are quantized by both
+paths too (QuantExperts at load, one experts op per MoE layer at compile time), to the same numbers."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import qcompile
+from qcompile.experts import QuantExperts, is_experts
 from qcompile.linear import QuantLinear
 from qcompile.modules import is_router, linear_shape
 
@@ -31,6 +35,7 @@ ARCHS = {
     "gpt_oss": {**MOE, "num_local_experts": 4, "head_dim": 32, "sliding_window": 64},
     "llama4_text": {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 256, "head_dim": 32},
 }
+MOE_ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "llama4_text"]
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64]])
 
 
@@ -47,8 +52,14 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_online_fp8_at_load_compiles_and_matches(arch, checkpoint):
-    model = qcompile.load(str(checkpoint(arch)), online="fp8_per_tensor").eval()
-    names = {name for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = qcompile.load(str(checkpoint(arch)), online="fp8_per_tensor").eval()
+    assert not [w for w in caught if "stay in" in str(w.message)], "a coverage warning fired"
+    experts = {name for name, m in model.named_modules() if isinstance(m, QuantExperts)}
+    assert bool(experts) == (arch in MOE_ARCHS)
+    assert not [name for name, m in model.named_modules() if is_experts(m)], "experts left in bf16"
+    names = {name for name, m in model.named_modules() if isinstance(m, QuantLinear)} | experts
     assert names, "nothing was quantized"
     assert not [n for n in names if is_router(n)], "a router was quantized"
     plain = [name for name, m in model.named_modules()
@@ -65,20 +76,24 @@ def test_online_fp8_at_load_compiles_and_matches(arch, checkpoint):
     assert torch.equal(got, want)  # aot_eager runs the same reference ops
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama4_text", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["gpt2"] + MOE_ARCHS)
 def test_online_fp8_at_compile_time_quantizes_the_same_layers(arch, checkpoint):
     """The compile-time path quantizes what the load-time path does: Conv1D included, routers and gates
-    (Qwen2-MoE's shared_expert_gate too) kept in high precision."""
+    (Qwen2-MoE's shared_expert_gate too) kept in high precision, each MoE layer's experts as one experts
+    op (whatever layout: gpt-oss's interleaved, Llama-4's dense), and computes the same numbers."""
     path = checkpoint(arch)
-    at_load = {name for name, m in qcompile.load(str(path), online="fp8_per_tensor").named_modules()
-               if isinstance(m, QuantLinear)}
+    loaded = qcompile.load(str(path), online="fp8_per_tensor").eval()
+    at_load = {name for name, m in loaded.named_modules() if isinstance(m, (QuantLinear, QuantExperts))}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    moe_layers = [name for name, m in model.named_modules() if is_experts(m)]
     torch._dynamo.reset()
     be = qcompile.backend(online="fp8_per_tensor", inner="aot_eager")
     with torch.no_grad():
         want = model(IDS).logits
         got = torch.compile(model, backend=be)(IDS).logits
+        assert torch.equal(got, loaded(IDS).logits)  # the same quantized tensors, the same reference ops
     at_compile = {r.module for r in be.rows if r.kernel != "bf16"}
     assert at_compile == at_load
+    assert sorted(r.module for r in be.rows if r.op.endswith("experts_ref")) == moe_layers
     assert all(r.reason.startswith("router") for r in be.rows if is_router(r.module))
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.15  # FP8 W and A, random model
