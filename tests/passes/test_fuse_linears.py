@@ -74,20 +74,31 @@ def test_modelopt_fp8_per_tensor_requantizes_to_the_largest_scale(testdata):
 +getitem_13 = split_with_sizes_default_1[0]
 +getitem_14 = split_with_sizes_default_1[1]
 +fp8_linear_default_3 = torch.ops.qcompile.fp8_linear.default(x = mul_11, weight = model.layers.0.mlp.down_proj.weight, weight_scale = model.layers.0.mlp.down_proj.weight_scale, input_scale = model.layers.0.mlp.down_proj.input_scale, bias = None, scheme = 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor', backend = 'emulated')""")
-    expected = copy.deepcopy(model)
-    for layer in expected.model.layers:
-        for shards in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                       (layer.mlp.gate_proj, layer.mlp.up_proj)):
-            assert len({float(m.weight_scale) for m in shards}) > 1  # the producer's scales differ
-            codes, scale = quant_math.requantize_to_max_scale([m.weight.data for m in shards],
-                                                              [m.weight_scale.data for m in shards])
-            for m, part in zip(shards, codes.split([m.out_features for m in shards])):
-                m.weight.data, m.weight_scale.data = part, scale
+    for layer in model.model.layers:  # the producer's scales differ
+        assert len({float(m.weight_scale) for m in (layer.mlp.gate_proj, layer.mlp.up_proj)}) > 1
+    expected = requantized_like_fused(copy.deepcopy(model))
     with torch.no_grad():
         assert rel(out, expected(IDS).logits) < 1e-3
     # the requantization itself, on this random model (on the trained one: 1 %, perplexity unchanged,
     # tests/test_trained_model.py)
     assert rel(out, want) < 0.15
+
+
+def requantized_like_fused(model):
+    """In place: each decoder layer's q/k/v and gate/up QuantLinears whose per-tensor FP8 scales differ
+    requantized to their largest, as the Fuse pass does (the oracle of a fused compiled model). Returns it."""
+    for layer in model.model.layers:
+        for shards in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                       (layer.mlp.gate_proj, layer.mlp.up_proj)):
+            if not all(isinstance(m, QuantLinear) for m in shards) or len({m.scheme_key for m in shards}) > 1 \
+                    or getattr(shards[0], "weight_scale", torch.empty(1)).dim() != 0 \
+                    or shards[0].weight.dtype != torch.float8_e4m3fn:
+                continue
+            codes, scale = quant_math.requantize_to_max_scale([m.weight.data for m in shards],
+                                                              [m.weight_scale.data for m in shards])
+            for m, part in zip(shards, codes.split([m.out_features for m in shards])):
+                m.weight.data, m.weight_scale.data = part, scale
+    return model
 
 
 def test_compressed_tensors_fp8_channel(testdata):
