@@ -247,6 +247,7 @@ def cmd_explain(args) -> int:
     import torch
 
     import qcompile
+    from qcompile.passes.fuse_linears import shard_names
 
     with _checkpoint(args) as (path, _):
         model = _load(path, args)
@@ -255,7 +256,9 @@ def cmd_explain(args) -> int:
     print("\n" + be.explain() + "\n")
     kernels = sorted({r.kernel for r in be.rows})
     weight_only, _ = _activation_modes(be.rows)
-    print(f"{len(be.rows)} layers: kernels {', '.join(kernels) or 'none'}; "
+    layers = sum(len(shard_names(r.module)) for r in be.rows)
+    matmuls = f" in {len(be.rows)} matmuls" if layers != len(be.rows) else ""
+    print(f"{layers} layers{matmuls}: kernels {', '.join(kernels) or 'none'}; "
           f"{len(weight_only)} run weight-only (activations not quantized)")
     return EXIT_OK
 
