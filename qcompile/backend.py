@@ -8,9 +8,9 @@ the ``torch_dynamo_backends`` entry point) and, from a source checkout too, once
     torch.compile(model, backend=qcompile.backend(inner="inductor", kernels={"*.down_proj": "reference"},
                                                   online="fp8_per_block", cudagraphs=True))
 
-Pipeline on the graph Dynamo hands over: the lowering passes in order (:meth:`QCompileBackend.passes`:
-the Linear pass ``qcompile.passes.linear``, then the Experts pass ``qcompile.passes.experts``), then the
-inner compiler. ``qcompile.explain()`` (or ``backend_instance.explain()``) prints what matched.
+Pipeline on the graph Dynamo hands over: the passes in order (:meth:`QCompileBackend.passes`: the Fuse
+pass ``qcompile.passes.fuse_linears`` (off with ``fuse=False``), the Linear pass ``qcompile.passes.linear``,
+then the Experts pass ``qcompile.passes.experts``), then the inner compiler. ``qcompile.explain()`` (or ``backend_instance.explain()``) prints what matched.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Options:
     kernels: str | dict[str, str] | None = None  # kernel override: a name, or {module glob: name}
     online: str | None = None  # "fp8_per_tensor" | "fp8_per_block": quantize bf16 linears at compile time
     ignore: list[str] = field(default_factory=list)  # online: modules to leave alone
+    fuse: bool = True  # run linears that share an input (q/k/v, gate/up) as one matmul
     cudagraphs: bool = False  # inductor: capture CUDA graphs (like mode="reduce-overhead")
     inductor_config: dict[str, Any] = field(default_factory=dict)
     on_graph: Callable | None = None  # test hook: called with (gm before the pass as code, gm after)
@@ -85,11 +86,13 @@ class QCompileBackend:
         """The lowering passes, in the order they run: each rewrites the graph in place and returns its
         explain rows."""
         from .passes.experts import lower_experts
+        from .passes.fuse_linears import fuse_linears
         from .passes.linear import lower_linears
 
         kernels = self.options.kernels
-        return [lambda gm, ex: lower_linears(gm, ex, kernels=kernels, online=self._online),
-                lambda gm, ex: lower_experts(gm, ex, kernels=kernels, online=self._online)]
+        fuse = [lambda gm, ex: fuse_linears(gm, ex, kernels=kernels, online=self._online)] if self.options.fuse else []
+        return fuse + [lambda gm, ex: lower_linears(gm, ex, kernels=kernels, online=self._online),
+                       lambda gm, ex: lower_experts(gm, ex, kernels=kernels, online=self._online)]
 
     @property
     def rows(self) -> list:

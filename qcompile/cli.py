@@ -214,12 +214,13 @@ def _tokenizer(path: str):
 def _activation_modes(rows) -> tuple[list[str], list[str]]:
     """The quantized layers whose scheme quantizes activations, split: (those compiled weight-only,
     explain's "activations not quantized"; those whose kernels quantize activations)."""
+    from qcompile.passes.fuse_linears import shard_names
     from qcompile.passes.linear import _weight_only
     from qcompile.scheme import parse_scheme_key
 
     act_rows = [r for r in rows if r.op != "aten::linear" and parse_scheme_key(r.scheme).act is not None]
-    weight_only = [r.module for r in act_rows if _weight_only(r.op)]
-    return weight_only, [r.module for r in act_rows if r.module not in weight_only]
+    weight_only = [m for r in act_rows if _weight_only(r.op) for m in shard_names(r.module)]  # fused: each shard
+    return weight_only, [m for r in act_rows for m in shard_names(r.module) if m not in weight_only]
 
 
 def _compile_and_call(model, ids, be):
@@ -246,6 +247,7 @@ def cmd_explain(args) -> int:
     import torch
 
     import qcompile
+    from qcompile.passes.fuse_linears import shard_names
 
     with _checkpoint(args) as (path, _):
         model = _load(path, args)
@@ -254,7 +256,9 @@ def cmd_explain(args) -> int:
     print("\n" + be.explain() + "\n")
     kernels = sorted({r.kernel for r in be.rows})
     weight_only, _ = _activation_modes(be.rows)
-    print(f"{len(be.rows)} layers: kernels {', '.join(kernels) or 'none'}; "
+    layers = sum(len(shard_names(r.module)) for r in be.rows)
+    matmuls = f" in {len(be.rows)} matmuls" if layers != len(be.rows) else ""
+    print(f"{layers} layers{matmuls}: kernels {', '.join(kernels) or 'none'}; "
           f"{len(weight_only)} run weight-only (activations not quantized)")
     return EXIT_OK
 
@@ -363,7 +367,9 @@ def _check(model, ids, eager, compiled, rows, max_rel_error: float) -> str | Non
         reference = _dequantize(model)(ids).logits.float()
     act_effect = _rel(matched, reference) if act_quantized else 0.0
     limit = max(max_rel_error, ACT_NOISE_FACTOR * act_effect)
-    name, expect = _reference(sum(r.op != "aten::linear" for r in rows), len(weight_only))
+    from qcompile.passes.fuse_linears import shard_names
+
+    name, expect = _reference(sum(len(shard_names(r.module)) for r in rows if r.op != "aten::linear"), len(weight_only))
     err = _rel(compiled, matched)
     print("relative error of the logits on the prompt (Frobenius norm):")
     print(f"  compiled vs eager model (the scheme as written)                           {_rel(compiled, eager):.3e}")

@@ -12,6 +12,7 @@ import qcompile
 from qcompile.kernels import wo_mma
 from qcompile.kernels.registry import cuda_capability
 from qcompile.linear import QuantLinear, dequantize_model
+from qcompile.passes.fuse_linears import shard_names
 
 pytestmark = pytest.mark.gpu
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128, 5, 300, 11]])
@@ -80,7 +81,7 @@ def test_weight_only_checkpoint_on_gpu(source, tokens, synth_ckpt, testdata, mon
     assert bool(blocked) == (tokens > 128 and "wo_mma" in kernels and cuda_capability("cuda") == (9, 0)), blocked
     assert kernels & {"wo_mma", "wo_triton"} and kernels <= {"wo_mma", "wo_triton", "fp8_scaled_mm"}, be.explain()
     # layers the registry gives wo_mma were tiled into its streaming order at load, the others not
-    mma_rows = {r.module for r in be.rows if r.kernel == "wo_mma"}
+    mma_rows = {m for r in be.rows if r.kernel == "wo_mma" for m in shard_names(r.module)}  # fused rows: each shard
     for mod_name, mod in model.named_modules():
         if isinstance(mod, QuantLinear) and "/" in mod.scheme_key.split(";")[0]:
             assert ("tiled" in mod.scheme_key) == (mod_name in mma_rows), (mod_name, mod.scheme_key)

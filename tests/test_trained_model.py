@@ -53,6 +53,9 @@ CASES = {
     "modelopt-nvfp4": Case(NVFP4, True, 0.01, 0.045, 0.04),
 }
 COMPILED_VS_EAGER = 1e-3  # activation-quantizing formats: compiled runs the same reference math (0 measured)
+# ...except where the compiled model runs q/k/v and gate/up as one matmul and their per-tensor scales differ:
+# the shards are requantized to the largest (measured 0.98 %, perplexity +0.001 %)
+FUSED_REQUANTIZED = {"modelopt-fp8": 0.02}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -99,7 +102,8 @@ def quantized_logits(heldout):
             with torch.no_grad():
                 out = {"eager": model(heldout).logits,
                        "compiled": torch.compile(model, backend=backend)(heldout).logits}
-                assert len(backend.rows) == 14  # the pass lowered every quantized linear
+                # every quantized linear lowered, q/k/v and gate/up fused: 4 matmuls per decoder layer
+                assert len(backend.rows) == 8, backend.explain()
                 out["reference"] = dequantize_model(copy.deepcopy(model))(heldout).logits
             cache[name] = out
         return cache[name]
@@ -125,7 +129,7 @@ def test_logits_match_the_dequantized_reference(name, quantized_logits):
     case, out = CASES[name], quantized_logits(name)
     assert rel_err(out["eager"], out["reference"]) < case.vs_reference
     if case.activations:  # the reference leaves activations unquantized: compiled must match eager
-        assert rel_err(out["compiled"], out["eager"]) < COMPILED_VS_EAGER
+        assert rel_err(out["compiled"], out["eager"]) < FUSED_REQUANTIZED.get(name, COMPILED_VS_EAGER)
     else:
         assert rel_err(out["compiled"], out["reference"]) < case.vs_reference
 

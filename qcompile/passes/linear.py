@@ -16,6 +16,7 @@ Every matched layer gets an :class:`ExplainRow` (module, scheme, op, kernel, why
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from ..formats import QuantConfig
 from ..kernels import quant_math
 from ..kernels.registry import KernelQuery, cuda_capability
 from ..modules import is_router
-from ..scheme import Granularity, parse_scheme_key
+from ..scheme import Granularity, LayerQuant, parse_scheme_key
 from .lowering import ExplainRow, bind, example, lower_node, module_of, op_of, source_name  # noqa: F401
 
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
@@ -97,10 +98,21 @@ def lower_linears(gm: fx.GraphModule, example_inputs, kernels=None, online: Quan
     return rows
 
 
-def _online_args(gm, node: fx.Node, online: QuantConfig, real: dict, rows: list, index: int) -> dict | None:
-    """For an ``F.linear`` (or a Conv1D's ``addmm(bias, x, W)``, W stored [in, out]) on a parameter:
-    quantize the weight into graph constants and return the canonical op arguments, or None (with
-    an explain row when the layer was considered)."""
+class OnlineLinear(NamedTuple):
+    """An ``F.linear`` / Conv1D ``addmm`` node the online config quantizes: its input node, its weight as
+    [out, in] (a Conv1D's transposed), its bias node (or None), its module and resolved LayerQuant."""
+
+    x: fx.Node
+    weight: torch.Tensor
+    bias: fx.Node | None
+    module: str
+    lq: LayerQuant
+
+
+def online_linear(node: fx.Node, online: QuantConfig, real: dict, rows: list) -> OnlineLinear | None:
+    """For an ``F.linear`` (or a Conv1D's ``addmm(bias, x, W)``, W stored [in, out]) on a parameter that
+    online quantization covers: what quantizing it needs; else None (with an explain row when the layer
+    was considered)."""
     conv1d = node.target in ADDMM_TARGETS
     if conv1d:
         if len(node.args) != 3 or node.kwargs:  # beta / alpha: not a Conv1D
@@ -128,20 +140,41 @@ def _online_args(gm, node: fx.Node, online: QuantConfig, real: dict, rows: list,
     if lq is None:
         rows.append(ExplainRow(module, "bf16", "aten::linear", "bf16", "excluded by the online config"))
         return None
-    spec = lq.scheme.weight.scale
     n, k = weight.shape
-    block = spec.block[0] if spec.granularity is Granularity.BLOCK else 0
+    block = online_block(lq)
     if n % 16 or k % 16 or (block and (n % block or k % block)):
         rows.append(ExplainRow(module, lq.scheme.key, "aten::linear", "bf16",
                                f"[{n}, {k}] does not divide into {max(block, 16)}-element tiles"))
         return None
+    return OnlineLinear(x_node, weight, bias, module, lq)
+
+
+def online_block(lq: LayerQuant) -> int:
+    """The online scheme's weight block size (0 unless per block)."""
+    spec = lq.scheme.weight.scale
+    return spec.block[0] if spec.granularity is Granularity.BLOCK else 0
+
+
+def quantize_online(weight: torch.Tensor, lq: LayerQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 [N, K] weight quantized by the online scheme: (codes, fp32 scale)."""
     with torch.no_grad():
-        q, s = quant_math.quantize_weight_fp8(weight.detach().contiguous(), spec.granularity, block or 128)
+        q, s = quant_math.quantize_weight_fp8(weight.detach().contiguous(), lq.scheme.weight.scale.granularity,
+                                              online_block(lq) or 128)
+    return q, s.float()
+
+
+def _online_args(gm, node: fx.Node, online: QuantConfig, real: dict, rows: list, index: int) -> dict | None:
+    """The canonical op arguments of an online-quantized linear (:func:`online_linear`), its weight
+    quantized once, here, into graph constants; None when the layer stays as it is."""
+    lin = online_linear(node, online, real, rows)
+    if lin is None:
+        return None
+    q, s = quantize_online(lin.weight, lin.lq)
     with gm.graph.inserting_before(node):
         wq = add_constant(gm, f"_qcompile_online_w{index}", q)
-        ws = add_constant(gm, f"_qcompile_online_s{index}", s.float())
-    return {"x": x_node, "weight": wq, "weight_scale": ws, "bias": bias, "scheme": lq.scheme.key,
-            "_weight_shape": tuple(weight.shape), "_module": module}
+        ws = add_constant(gm, f"_qcompile_online_s{index}", s)
+    return {"x": lin.x, "weight": wq, "weight_scale": ws, "bias": lin.bias, "scheme": lin.lq.scheme.key,
+            "_weight_shape": tuple(lin.weight.shape), "_module": lin.module}
 
 
 def add_constant(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> fx.Node:

@@ -31,7 +31,10 @@ class ExplainRow:
 
 
 def source_name(node: fx.Node) -> str:
-    """``model.layers.0.mlp.up_proj.weight`` for a parameter placeholder (from Dynamo's source)."""
+    """``model.layers.0.mlp.up_proj.weight`` for a parameter placeholder (from Dynamo's source); for a
+    constant a pass made, the name it recorded in ``node.meta["qcompile_source"]``."""
+    if "qcompile_source" in node.meta:
+        return node.meta["qcompile_source"]
     ga = node.meta.get("grapharg")
     text = getattr(ga, "source", None)
     text = getattr(text, "name", None)

@@ -28,12 +28,12 @@ def _short_name(m: re.Match) -> str:
 
 
 def _linear_lines(code: str) -> list[str]:
-    """The statements that compute a linear, with Dynamo's placeholder names shortened to module paths
+    """The statements that compute a linear (and split a fused one's output), with Dynamo's placeholder names shortened to module paths
     and FX's trailing `;  a = b = None` clean-up dropped."""
     lines = []
     for line in code.splitlines():
         stmt = line.strip().split(";  ")[0]
-        if any(t in stmt for t in ("torch.ops.qcompile", "_C._nn.linear", "self._qcompile")):
+        if any(t in stmt for t in ("torch.ops.qcompile", "_C._nn.linear", "self._qcompile", "split_with_sizes")):
             lines.append(re.sub(_PARAM, _short_name, stmt))
     return lines
 
@@ -45,6 +45,9 @@ def _graph_diff(before: str, after: str) -> str:
 
 
 def compile_and_diff(model, **options):
+    """(logits, graph diff of the linears, backend) of ``model`` compiled with ``options``; the Linear pass
+    alone unless ``fuse=True`` (tests/passes/test_fuse_linears.py)."""
+    options.setdefault("fuse", False)
     graphs = []
     torch._dynamo.reset()  # a model of the same structure compiled earlier would be reused silently
     be = qcompile.backend(inner="eager", on_graph=lambda b, a: graphs.append((b, a)), **options)
@@ -200,7 +203,7 @@ def test_online_fp8_at_compile_time_with_every_inner_compiler(one_layer, inner, 
     with torch.no_grad():
         want = qcompile.load(path, online=online)(IDS).logits.float()
     torch._dynamo.reset()
-    be = qcompile.backend(inner=inner, online=online)
+    be = qcompile.backend(inner=inner, online=online, fuse=False)  # fused per-tensor: one scale for q, k, v
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     with torch.no_grad():
         out = torch.compile(model, backend=be)(IDS).logits.float()
