@@ -32,9 +32,10 @@ def assert_same(ours: dict, theirs: dict, skip: str = "\0") -> None:
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key
 
 
-@pytest.mark.parametrize("fmt,source,producer", [("modelopt-fp8", "base-bf16-dense", "modelopt-fp8-dense"),
-                                                 ("ct-fp8-dynamic", "base-bf16-dense", "llmcompressor-fp8-dynamic-dense"),
-                                                 ("modelopt-fp8", "base-bf16-moe", "modelopt-fp8-moe")])
+@pytest.mark.parametrize("fmt,source,producer", [
+    ("modelopt-fp8", "base-bf16-dense", "modelopt-fp8-dense"),
+    ("ct-fp8-dynamic", "base-bf16-dense", "llmcompressor-fp8-dynamic-dense"),
+    ("modelopt-fp8", "base-bf16-moe", "modelopt-fp8-moe")])
 def test_fp8_writer_is_byte_identical_to_the_producer(testdata, tmp_path, fmt, source, producer):
     synth.write_checkpoint(str(tmp_path), fmt, source=str(testdata / source))
     # input scales are calibrated on other tokens
