@@ -1,160 +1,264 @@
-"""End-to-end decode: a tiny-but-wide random Llama written in quantized formats (``--formats``, default
-ModelOpt FP8) compiled with qcompile vs the same model in bf16 under plain torch.compile. Own decode loop
-(StaticCache, compiled step, batch 1): HF generate with mode="reduce-overhead" breaks in transformers 5.17.
+"""End-to-end decode and prefill: a random Llama-3.1-8B-shaped model (``--arch llama``) or a Qwen3-MoE-shaped one
+(``--arch qwen3_moe``) in bf16 under plain ``torch.compile(mode="reduce-overhead")`` vs the same weights in
+quantized checkpoints run by qcompile with CUDA graphs.
 
-    python benchmarks/e2e_decode.py --out e2e.json            # H100: hidden 4096, inter 14336, 2 layers
-    python benchmarks/e2e_decode.py --tiny --device cpu       # smoke test anywhere
+    python benchmarks/e2e_decode.py --quick                           # 4 layers: a first check (GPU)
+    python benchmarks/e2e_decode.py --formats bf16 modelopt-fp8 --json a.json
+    python benchmarks/e2e_decode.py --arch qwen3_moe --hf-generate --json moe.json
+    python benchmarks/e2e_decode.py --tiny --device cpu --hf-generate  # smoke test of every path, anywhere
 
-Reports decode tokens/s (median of ``--reps`` rounds of ``--tokens`` tokens, the models' rounds
-interleaved so that a slow spell of the host or GPU hits every model alike), weight memory, and
-compiled-vs-eager logits error of the quantized model.
+The bf16 weights are made on the device (seeded); each quantized checkpoint is quantized there by
+``qcompile.synth.write_model`` (the producers' on-disk bytes), written to a temporary directory as
+safetensors shards and loaded by ``qcompile.load``, so the loader is what runs. Models are measured one after
+another (not interleaved), each freed before the next loads. Per model: weight memory; decode tokens/s of an
+own greedy loop (StaticCache, one compiled step per token, CUDA graphs) at each ``--batch``, against the
+weight-read floor (bytes one step reads / the device-to-device copy bandwidth measured in the same run);
+the compiled prefill of ``--prefill`` tokens at batch 1; logits errors on a 32-token probe (compiled vs
+eager, and vs the dequantized bf16 model); with ``--hf-generate``, ``model.generate`` with a static cache and
+a CompileConfig (qcompile backend, its CUDA graphs), decode tokens/s next to the own loop's.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import gc
 import json
-import statistics
+import os
+import shlex
+import shutil
+import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # e2e_models, and this checkout's qcompile
+import e2e_models as em
 
-def weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def decoder(model, compile_fn, device, prompt_len: int, n_tokens: int, reps: int):
-    """Prefill, compile and warm one decode step (StaticCache, batch 1); returns ``run()``: the seconds
-    that ``n_tokens`` more greedy tokens take."""
-    from transformers import StaticCache
-
-    cache = StaticCache(config=model.config, max_cache_len=prompt_len + n_tokens * (reps + 2) + 8)
-    ids = torch.randint(3, model.config.vocab_size, (1, prompt_len), device=device)
-    with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt_len, device=device),
-                       use_cache=True).logits
-
-    def step(tok, pos):
-        return model(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True).logits
-
-    compiled = compile_fn(step)
-    state = {"tok": logits[:, -1:].argmax(-1), "pos": prompt_len}
-
-    def run() -> float:
-        tok, pos = state["tok"], state["pos"]
-        with torch.no_grad():
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n_tokens):
-                out = compiled(tok, torch.tensor([pos], device=device))
-                tok = out[:, -1:].argmax(-1).clone()
-                pos += 1
-            if device == "cuda":
-                torch.cuda.synchronize()
-        state.update(tok=tok, pos=pos)
-        return time.perf_counter() - t0
-
-    run()  # compiles and warms up
-    return run
+DENSE_FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "ct-w4a16", "ct-nvfp4")
+MOE_FORMATS = ("bf16", "online-fp8", "modelopt-fp8")
+ONLINE = {"online-fp8": "fp8_per_tensor", "online-fp8-block": "fp8_per_block"}
+NOTE = ("models measured one after another (not interleaved); tok/s counts the tokens of all sequences; "
+        "floor = weight bytes one decode step reads / copy bandwidth (input embedding excluded; MoE: experts "
+        "touched under uniform routing)")
 
 
-def measure(model, probe, args, cuda) -> tuple[dict, object]:
-    """Logits errors and weight memory of a qcompile model, and its decoder (qcompile's CUDA graphs)."""
+def parse_args(argv=None):
+    from qcompile import synth
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=("llama", "qwen3_moe"), default="llama")
+    p.add_argument("--formats", nargs="+", default=None,
+                   help=f"models to run, space- or comma-separated (default llama: {' '.join(DENSE_FORMATS)}; "
+                        f"qwen3_moe: {' '.join(MOE_FORMATS)}); any of bf16, {', '.join(ONLINE)}, "
+                        "and qcompile.synth's quantized formats")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 32 llama, 4 qwen3_moe)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
+    p.add_argument("--tokens", type=int, default=64, help="decode steps per timed round")
+    p.add_argument("--reps", type=int, default=5, help="timed rounds per measurement (median)")
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens before decoding")
+    p.add_argument("--prefill", type=int, default=2048, help="prefill length timed at batch 1 (0: skip)")
+    p.add_argument("--hf-generate", action="store_true", help="also time model.generate with a CompileConfig")
+    p.add_argument("--quick", action="store_true", help="4 layers, 32 tokens, 3 rounds, prefill 512")
+    p.add_argument("--tiny", action="store_true", help="the 256-wide test shapes (smoke test)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--inner", choices=("inductor", "aot_eager", "eager"), default="inductor",
+                   help="the compiler after Dynamo (bf16) / after qcompile's passes; eager: a fast smoke test")
+    p.add_argument("--no-fullgraph", action="store_true", help="let the compiled step have graph breaks")
+    p.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temporary dir)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="print one table from the --json files of runs split by --formats (same machine), and exit")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.layers, args.tokens, args.reps, args.prefill = args.layers or 4, 32, 3, min(args.prefill, 512)
+    formats = [f for item in (args.formats or (MOE_FORMATS if args.arch == "qwen3_moe" else DENSE_FORMATS))
+               for f in item.split(",") if f]
+    known = ("bf16", *ONLINE, *synth.QUANTIZED_FORMATS)
+    unknown = [f for f in formats if f not in known]
+    if unknown:
+        p.error(f"unknown format(s) {unknown}; choose from {known}")
+    args.formats = formats
+    return args
+
+
+def write_checkpoints(model, args, root: str) -> dict:
+    """Every checkpoint the run loads, written from the bf16 ``model`` where it is (online formats load
+    the bf16 checkpoint); format -> (path, seconds to write)."""
+    from qcompile import synth
+
+    written: dict = {}
+    for source in dict.fromkeys("bf16" if f in ONLINE else f for f in args.formats if f != "bf16"):
+        t0 = time.perf_counter()
+        synth.write_model(os.path.join(root, source), model, source, max_shard_bytes=4 << 30)
+        em.sync(args.device)
+        written[source] = (os.path.join(root, source), time.perf_counter() - t0)
+        print(f"wrote {source} in {written[source][1]:.1f} s", flush=True)
+    return {f: written["bf16" if f in ONLINE else f] for f in args.formats if f != "bf16"}
+
+
+def measure(name: str, model, args, quantized: bool) -> dict:
+    """Every measurement of one model (see the module docstring)."""
     import qcompile
-    from qcompile.linear import dequantize_model
 
-    be = qcompile.backend(cudagraphs=cuda)
-    with torch.no_grad():
-        eager = model(probe).logits.float()
-        comp = torch.compile(model, backend=qcompile.backend())(probe).logits.float()
-        ref = dequantize_model(copy.deepcopy(model))(probe).logits.float()
-    run = decoder(model, lambda f: torch.compile(f, backend=be), args.device, args.prompt, args.tokens, args.reps)
-    print("\n".join(be.explain().splitlines()[:3]))
-    return {"weight_MiB": weight_bytes(model) / 2**20,
-            "compiled_vs_eager_rel_err": ((comp - eager).norm() / eager.norm()).item(),
-            "compiled_vs_dequantized_bf16_rel_err": ((comp - ref).norm() / ref.norm()).item(),
-            "kernels": sorted({r.kernel for r in be.rows})}, run
+    cuda = args.device == "cuda"
+    fullgraph = not args.no_fullgraph
+    graphs = cuda and args.inner == "inductor"
+    be = qcompile.backend(cudagraphs=graphs, inner=args.inner) if quantized else None
+
+    def compile_fn(f):
+        if quantized:
+            return torch.compile(f, backend=be, fullgraph=fullgraph, dynamic=False)
+        if args.inner != "inductor":
+            return torch.compile(f, backend=args.inner, fullgraph=fullgraph, dynamic=False)
+        return torch.compile(f, mode="reduce-overhead" if cuda else None, fullgraph=fullgraph, dynamic=False)
+
+    def probe_compile(f):  # the error probe: no CUDA graphs
+        return torch.compile(f, backend=qcompile.backend(inner=args.inner) if quantized else args.inner, dynamic=False)
+
+    out = {"weight_bytes": em.tensor_bytes(model)}
+    probe = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
+    out["errors"] = em.logits_errors(model, probe_compile, probe.to(args.device), quantized)
+    for b in args.batch:
+        out[f"decode_b{b}"] = em.decode_tok_s(model, compile_fn, args.device, b, args)
+        floor_s = em.read_bytes(model, b) / args.bandwidth
+        out[f"decode_b{b}"].update(floor_ms_per_step=1e3 * floor_s,
+                                   pct_of_floor=100 * floor_s * 1e3 / out[f"decode_b{b}"]["ms_per_step"])
+        print(f"  {name} batch {b}: {out[f'decode_b{b}']['tok_s']:.0f} tok/s", flush=True)
+    if args.prefill:
+        out["prefill_ms"] = em.prefill_ms(model, compile_fn, args.device, args.prefill, args.reps)
+    if quantized:
+        out["kernels"] = kernel_summary(be.rows, model)
+        print(be.explain() if args.tiny else "\n".join(be.explain().splitlines()[:4]), flush=True)
+    if args.hf_generate:
+        torch._dynamo.reset()
+        out["hf_generate_b1"] = em.generate_tok_s(model, em.compile_config(quantized, cuda, args.inner), args.device, 1,
+                                                  args.prompt, args.tokens, args.reps)
+        out["hf_generate_b1"]["vs_own_loop"] = out["hf_generate_b1"]["tok_s"] / out["decode_b1"]["tok_s"] \
+            if "decode_b1" in out else None
+        if quantized:
+            # generate() compiles with backend="qcompile" (a copy of the config): the rows explain() reads
+            out["hf_generate_kernels"] = kernel_summary(sys.modules["qcompile.backend"]._LAST, model)
+    return out
+
+
+def kernel_summary(rows, model) -> dict:
+    """{op: {kernel: count}} over the explain rows, and the kernel of every experts layer of ``model``
+    (one that no qcompile pass lowered runs transformers' own bf16 experts)."""
+    summary: dict = {}
+    for r in rows:
+        by_op = summary.setdefault(r.op, {})
+        by_op[r.kernel] = by_op.get(r.kernel, 0) + 1
+    experts = {n: "not lowered (transformers' bf16 experts)" for n, _ in model.named_modules()
+               if n.endswith("mlp.experts")}
+    experts.update((r.module, r.kernel) for r in rows if r.module in experts)
+    return {"by_op": summary, "experts_layers": experts}
+
+
+def run_model(fmt: str, make, args, results: dict) -> None:
+    """Load (``make()``), measure and free one model; a failure is recorded and the run goes on."""
+    name = fmt if fmt == "bf16" else f"{fmt} qcompile"
+    try:
+        t0 = time.perf_counter()
+        model = make()
+        em.sync(args.device)
+        load_s = time.perf_counter() - t0
+        results[name] = {"load_s": load_s, **measure(name, model, args, quantized=fmt != "bf16")}
+    except Exception as e:  # noqa: BLE001  (one model failing must not lose the others' figures)
+        traceback.print_exc()
+        results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    finally:
+        model = None
+        torch._dynamo.reset()
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def table(results: dict, args) -> str:
+    batches = args.batch
+    head = (["model", "weight MiB"] + [f"decode b{b} tok/s (ms/step, % floor)" for b in batches]
+            + ([f"prefill {args.prefill} ms"] if args.prefill else [])
+            + (["generate b1 tok/s (vs own)"] if args.hf_generate else []) + ["compiled vs eager", "vs dequant bf16"])
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    base = results.get("bf16", {})
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error']} |")
+            continue
+        cells = [name, f"{r['weight_bytes'] / 2**20:.0f}"]
+        for b in batches:
+            d, ref = r[f"decode_b{b}"], base.get(f"decode_b{b}")
+            up = f", {d['tok_s'] / ref['tok_s']:.2f}x" if ref and name != "bf16" else ""
+            cells.append(f"{d['tok_s']:.0f} ({d['ms_per_step']:.2f}, {d['pct_of_floor']:.0f} %{up})")
+        if args.prefill:
+            cells.append(f"{r['prefill_ms']:.1f}")
+        if args.hf_generate:
+            g = r["hf_generate_b1"]
+            cells.append(f"{g['tok_s']:.0f} ({g['vs_own_loop']:.2f})" if g["vs_own_loop"] else f"{g['tok_s']:.0f}")
+        e = r["errors"]
+        dequant = e.get("compiled_vs_dequantized_bf16")
+        cells += [f"{e['compiled_vs_eager']:.3g}", "–" if dequant is None else f"{dequant:.3g}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def merge(files: list[str]) -> dict:
+    runs = [json.load(open(f)) for f in files]
+    results = {name: r for run in runs for name, r in run["results"].items()}
+    args = argparse.Namespace(**runs[0]["args"])
+    bandwidths = " / ".join(f"{run['bandwidth_bytes_s'] / 1e9:.0f}" for run in runs)
+    print(f"GPU: {', '.join(sorted({run['gpu'] for run in runs}))}; copy bandwidth "
+          f"{bandwidths} GB/s\n"
+          + "\n".join(f"command: `{run['command']}`" for run in runs) + f"\n{NOTE}\n\n{table(results, args)}")
+    return results
 
 
 def main(argv=None):
     import qcompile
-    from qcompile import synth
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--inter", type=int, default=14336)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5, help="timed rounds per model (interleaved; median)")
-    p.add_argument("--prompt", type=int, default=16)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="the 256-wide test model (smoke test)")
-    p.add_argument("--formats", default="modelopt-fp8", help="comma-separated qcompile.synth formats")
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge)
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 64
     cuda = args.device == "cuda"
-    cfg = synth.tiny_llama_config() if args.tiny else synth.tiny_llama_config(
-        hidden_size=args.hidden, intermediate_size=args.inter, num_hidden_layers=args.layers, vocab_size=args.vocab,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
-        tie_word_embeddings=False)
-    root = tempfile.mkdtemp(prefix="qcompile-e2e-")
-
-    from transformers import AutoModelForCausalLM
-
-    results = {}
-    # bf16 baseline: the same random weights (same seed) under plain torch.compile
-    synth.write_bf16(f"{root}/bf16", cfg)
-    bf16 = AutoModelForCausalLM.from_pretrained(f"{root}/bf16", dtype=torch.bfloat16).to(args.device).eval()
-    probe = torch.randint(3, cfg.vocab_size, (1, 32), device=args.device)
-    with torch.no_grad():  # control: how far inductor alone moves this random model's logits
-        e, c = bf16(probe).logits.float(), torch.compile(bf16)(probe).logits.float()
-    bf16_rel = ((c - e).norm() / e.norm()).item()
-    torch._dynamo.reset()
-    mode = "reduce-overhead" if cuda else None
-    runs, models = {}, []
-    name = "bf16 torch.compile" + (" reduce-overhead" if cuda else "")
-    results[name] = {"weight_MiB": weight_bytes(bf16) / 2**20, "compiled_vs_eager_rel_err": bf16_rel}
-    runs[name] = decoder(bf16, lambda f: torch.compile(f, mode=mode), args.device, args.prompt, args.tokens, args.reps)
-    models.append(bf16)
-
-    for fmt in args.formats.split(","):
-        t0 = time.perf_counter()
-        synth.write_checkpoint(f"{root}/{fmt}", fmt, config=cfg)
-        print(f"wrote {fmt} in {time.perf_counter() - t0:.0f} s", flush=True)
-        model = qcompile.load(f"{root}/{fmt}", device=args.device).eval()
-        name = f"{fmt} qcompile" + (" cudagraphs" if cuda else "")
-        results[name], runs[name] = measure(model, probe, args, cuda)
-        models.append(model)
-    # the models' rounds interleaved, so that a slow spell of the host or the GPU hits all of them alike
-    times = {name: [] for name in runs}
-    for _ in range(args.reps):
-        for name, run in runs.items():
-            times[name].append(run())
-    for name, ts in times.items():
-        results[name]["tok_s"] = args.tokens / statistics.median(ts)
-        results[name]["tok_s_rounds"] = [round(args.tokens / t) for t in ts]
-    print(json.dumps(results, indent=2))
-    print("\n| model | decode tok/s (median) | rounds | ms/token | weight MiB | compiled vs eager logits |\n"
-          "| --- | --- | --- | --- | --- | --- |")
-    for k, v in results.items():
-        print(f"| {k} | {v['tok_s']:.0f} | {' / '.join(map(str, v['tok_s_rounds']))} | {1e3 / v['tok_s']:.3f} | "
-              f"{v['weight_MiB']:.0f} | {v['compiled_vs_eager_rel_err']:.3f} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"config": cfg.to_dict(), "results": results}, f, indent=2, default=str)
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    config = em.model_config(args.arch, args.tiny, args.layers)
+    args.bandwidth = em.copy_bandwidth(args.device, (2 << 30) if cuda else (64 << 20))
+    print(f"{gpu}: copy bandwidth {args.bandwidth / 1e9:.0f} GB/s", flush=True)
+    root = args.workdir or tempfile.mkdtemp(prefix="qcompile-e2e-")
+    results: dict = {}
+    bf16 = [em.build_bf16(config, args.device)]
+    paths = write_checkpoints(bf16[0], args, root)
+    if "bf16" in args.formats:
+        run_model("bf16", bf16.pop, args, results)  # pop: run_model holds the only reference, then frees it
+    bf16.clear()
+    for fmt in args.formats:
+        if fmt == "bf16":
+            continue
+        path, write_s = paths[fmt]
+        run_model(fmt, lambda path=path, fmt=fmt: qcompile.load(path, device=args.device, online=ONLINE.get(fmt)).eval(),
+                  args, results)
+        results[f"{fmt} qcompile"]["write_s"] = write_s
+    if not args.workdir:
+        shutil.rmtree(root, ignore_errors=True)
+    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    report = (f"GPU: {gpu}; torch {torch.__version__}; copy bandwidth {args.bandwidth / 1e9:.0f} GB/s\n"
+              f"command: `{command}`\n{NOTE}\n\n{table(results, args)}")
+    print("\n" + report)
+    for name, r in results.items():
+        if "kernels" in r:
+            print(f"{name} kernels: {json.dumps(r['kernels'])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu, "torch": torch.__version__, "command": command, "note": NOTE,
+                       "bandwidth_bytes_s": args.bandwidth, "config": config.to_dict(),
+                       "args": {k: v for k, v in vars(args).items() if k != "bandwidth"}, "results": results},
+                      f, indent=2, default=str)
+    return results
 
 
 if __name__ == "__main__":

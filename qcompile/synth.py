@@ -16,6 +16,7 @@ nvidia-modelopt 0.47 and llm-compressor 0.14):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -24,7 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from . import synth_4bit
-from .kernels.quant_math import FP8_MAX, quantize_weight_fp8
+from .kernels.quant_math import FP8_MAX, fp8_scale_from_amax, quantize_weight_fp8
+from .modules import is_router
 from .scheme import Granularity
 
 FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "modelopt-fp8-pbwo", "ct-fp8-static", "ct-fp8-dynamic",
@@ -77,21 +79,73 @@ def write_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
-def _calibrate(model, n_tokens: int = 64, seed: int = 0) -> dict[str, float]:
-    """Per-linear input amax over random tokens: what a producer's calibration measures."""
+def calibrate(model, n_tokens: int = 64, seed: int = 0) -> dict[str, float]:
+    """Per-linear input amax over random tokens (drawn on the CPU, the same on every device): what a
+    producer's calibration measures. Fused experts (:func:`fused_experts`) as ModelOpt calibrates them,
+    every expert on every token that enters the block: the gate/up input amax is the block input's, the
+    down input amax the max over the experts (one value per layer, as ModelOpt's files show)."""
     amax: dict[str, float] = {}
+
+    def record(name: str, value) -> None:
+        amax[name] = max(amax.get(name, 0.0), float(value))
+
+    def linear_hook(m, args, name):
+        record(name, args[0].detach().abs().amax())
+
+    def experts_hook(m, args, name):
+        x = args[0].detach().reshape(-1, args[0].shape[-1])
+        inter = m.down_proj.shape[2]
+        down = max(float((m.act_fn(g) * u).abs().amax()) for g, u in
+                   ((x @ m.gate_up_proj[e].t()).split(inter, -1) for e in range(m.gate_up_proj.shape[0])))
+        for e in range(m.gate_up_proj.shape[0]):
+            record(f"{name}.{e}.gate_proj", x.abs().amax())
+            record(f"{name}.{e}.up_proj", x.abs().amax())
+            record(f"{name}.{e}.down_proj", down)
+
     hooks = []
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and name.rpartition(".")[2] in LINEAR_LEAVES:
-            def hook(m, args, name=name):
-                amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().amax()))
-            hooks.append(mod.register_forward_pre_hook(hook))
+            hooks.append(mod.register_forward_pre_hook(functools.partial(linear_hook, name=name)))
+        elif fused_experts(mod):
+            hooks.append(mod.register_forward_pre_hook(functools.partial(experts_hook, name=name)))
     g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     with torch.no_grad():
-        model(torch.randint(3, model.config.vocab_size, (2, n_tokens), generator=g))
+        model(torch.randint(3, model.config.vocab_size, (2, n_tokens), generator=g).to(device))
     for h in hooks:
         h.remove()
     return amax
+
+
+def fused_experts(module) -> bool:
+    """A transformers 5 fused experts module in the Qwen3-MoE / Mixtral layout: ``gate_up_proj`` [E, 2I, H]
+    (gate rows first) and ``down_proj`` [E, H, I] parameters."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+            and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1])
+
+
+def disk_state(model) -> dict[str, torch.Tensor]:
+    """The model's tensors under their on-disk names, where the model is (views, no copies): a tied
+    ``lm_head`` left out, fused experts split per expert into ``experts.E.{gate,up,down}_proj.weight`` as
+    ``save_pretrained`` and the producers write them."""
+    experts = {name for name, m in model.named_modules() if fused_experts(m)}
+    tied = model.config.tie_word_embeddings
+    state: dict[str, torch.Tensor] = {}
+    for key, t in model.state_dict().items():
+        owner, _, leaf = key.rpartition(".")
+        if tied and key == "lm_head.weight":
+            continue
+        if owner not in experts:
+            state[key] = t.contiguous()
+        elif leaf == "gate_up_proj":
+            for e, w13 in enumerate(t.unbind(0)):
+                state[f"{owner}.{e}.gate_proj.weight"], state[f"{owner}.{e}.up_proj.weight"] = w13.chunk(2)
+        elif leaf == "down_proj":
+            state.update((f"{owner}.{e}.down_proj.weight", w) for e, w in enumerate(t.unbind(0)))
+        else:
+            raise ValueError(f"{key}: the experts writer knows gate_up_proj and down_proj only")
+    return state
 
 
 def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0, source: str | None = None,
@@ -115,27 +169,82 @@ def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0, source: st
         write_bf16(path, config, seed)
     if fmt == "bf16":
         return path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    amax = _calibrate(model)
-    tied = model.config.tie_word_embeddings
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    if fmt in synth_4bit.FORMATS:
-        qcfg = synth_4bit.quantize_state(fmt, state, amax)
+    return write_model(path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), fmt, kv_cache)
+
+
+def write_model(path: str, model, fmt: str, kv_cache: str | None = None, max_shard_bytes: int | None = None) -> str:
+    """Write ``model`` (a transformers model in bf16, on any device: the quantization runs where the
+    weights are, with the same arithmetic and bytes as on the CPU) in ``fmt`` to ``path``; returns
+    ``path``. Calibrates first (:func:`calibrate`). A ``config.json`` already in ``path`` (from
+    ``save_pretrained``) gets the quantization config added; else the model's config and a tokenizer are
+    written. ``max_shard_bytes``: split the tensors into ``model-0000i-of-0000n.safetensors`` files and an
+    index, as ``save_pretrained`` does; else one ``model.safetensors``. MoE models (fused experts) are
+    written in bf16 and ModelOpt FP8 only."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown synthetic format {fmt!r}; choose from {FORMATS}")
+    moe = any(fused_experts(m) for m in model.modules())
+    if moe and fmt not in ("bf16", "modelopt-fp8"):
+        raise ValueError(f"{fmt!r}: the MoE writer covers bf16 and modelopt-fp8")
+    qcfg = None
+    if fmt == "bf16":
+        state = disk_state(model)
     else:
-        qcfg = _quantize_fp8(fmt, state, amax)
-    if kv_cache is not None:
-        _add_kv_scales(fmt, kv_cache == "fp8-head", model, state, qcfg)
-    os.remove(os.path.join(path, "model.safetensors"))
-    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json")) as f:
+        amax = calibrate(model)
+        state = disk_state(model)
+        if fmt in synth_4bit.FORMATS:
+            qcfg = synth_4bit.quantize_state(fmt, state, amax)
+        else:
+            routers = [n for n, m in model.named_modules() if is_router(n, m) and hasattr(m, "weight")]
+            qcfg = _quantize_fp8(fmt, state, amax, routers)
+        if kv_cache is not None:
+            _add_kv_scales(fmt, kv_cache == "fp8-head", model, state, qcfg)
+    _save(path, model, state, qcfg, max_shard_bytes)
+    return path
+
+
+def _save(path: str, model, state: dict, qcfg: dict | None, max_shard_bytes: int | None) -> None:
+    os.makedirs(path, exist_ok=True)
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):  # a model built in memory: what save_pretrained writes beside it
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(path)
+        write_tokenizer(path)
+    for name in os.listdir(path):
+        if name.startswith("model") and ".safetensors" in name:
+            os.remove(os.path.join(path, name))
+    _save_tensors(path, state, max_shard_bytes)
+    if qcfg is None:
+        return
+    with open(config_path) as f:
         cfg = json.load(f)
     cfg["quantization_config"] = qcfg["config"]
-    with open(os.path.join(path, "config.json"), "w") as f:
+    with open(config_path, "w") as f:
         json.dump(cfg, f, indent=2)
     if "hf_quant_config" in qcfg:
         with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
             json.dump(qcfg["hf_quant_config"], f, indent=4)
-    return path
+
+
+def _save_tensors(path: str, state: dict, max_shard_bytes: int | None) -> None:
+    """``state`` (on any device) as safetensors files, one shard at a time through the CPU."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, keys in zip(names, shards):
+        save_file({k: state[k].contiguous().cpu() for k in keys}, os.path.join(path, name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, ks in zip(names, shards) for k in ks}}
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
 
 
 def _add_kv_scales(fmt: str, per_head: bool, model, state: dict, qcfg: dict) -> None:
@@ -158,7 +267,7 @@ def _add_kv_scales(fmt: str, per_head: bool, model, state: dict, qcfg: dict) -> 
     cache = DynamicCache(config=model.config)
     g = torch.Generator().manual_seed(0)  # the tokens _calibrate draws
     with torch.no_grad():
-        model(torch.randint(3, model.config.vocab_size, (2, 64), generator=g), use_cache=True,
+        model(torch.randint(3, model.config.vocab_size, (2, 64), generator=g).to(model.device), use_cache=True,
               **cache_kwargs(model, cache))
     dims = (0, 2, 3) if per_head else tuple(range(4))
     attention = sorted((m.layer_idx, name) for name, m in model.named_modules() if is_attention(m))
@@ -167,9 +276,9 @@ def _add_kv_scales(fmt: str, per_head: bool, model, state: dict, qcfg: dict) -> 
         for amax, k_name, ct_name in ((layer.keys.abs().amax(dims), "k_proj.k_scale", "k_scale"),
                                       (layer.values.abs().amax(dims), "v_proj.v_scale", "v_scale")):
             if fmt.startswith("modelopt"):
-                state[f"{name}.{k_name}"] = amax.float() / FP8_MAX
+                state[f"{name}.{k_name}"] = synth_4bit.div(amax.float(), FP8_MAX)
             else:
-                scale = amax / torch.tensor(FP8_MAX, dtype=amax.dtype)
+                scale = synth_4bit.div(amax, FP8_MAX)
                 state[f"{name}.{ct_name}"] = scale.reshape(-1, 1, 1) if per_head else scale.reshape(1)
     if fmt.startswith("modelopt"):
         qcfg["hf_quant_config"]["quantization"]["kv_cache_quant_algo"] = "FP8"
@@ -192,10 +301,11 @@ def _copy_unquantized(source: str, path: str) -> None:
             shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
 
 
-def _quantize_fp8(fmt: str, state: dict, amax: dict[str, float]) -> dict:
+def _quantize_fp8(fmt: str, state: dict, amax: dict[str, float], routers: list[str] = ()) -> dict:
     """The FP8 formats and compressed-tensors W8A8-INT8 (int8 channel weights, dynamic per-token int8
     activations, as llm-compressor's W8A8 preset), in place on ``state``; returns the configs (see
-    ``synth_4bit.quantize_state``)."""
+    ``synth_4bit.quantize_state``). ModelOpt gives an expert's gate and up one weight scale (the max of
+    the two amaxes) and lists the MoE ``routers`` among the excluded modules."""
     modelopt = fmt.startswith("modelopt")
     gran = {"modelopt-fp8": Granularity.TENSOR, "ct-fp8-static": Granularity.TENSOR,
             "modelopt-fp8-pcpt": Granularity.CHANNEL, "ct-fp8-dynamic": Granularity.CHANNEL,
@@ -203,11 +313,16 @@ def _quantize_fp8(fmt: str, state: dict, amax: dict[str, float]) -> dict:
             "ct-w8a8-int8": Granularity.CHANNEL}[fmt]
     static_act = fmt in ("modelopt-fp8", "ct-fp8-static")
     scale_dtype = torch.float32 if modelopt else torch.bfloat16
+    pair_amax = {name: torch.maximum(state[f"{name}.weight"].abs().amax(), state[f"{partner}.weight"].abs().amax())
+                 for name in amax if (partner := _expert_partner(name)) in amax and modelopt
+                 and gran is Granularity.TENSOR}
     for name in amax:
         w = state.pop(f"{name}.weight")
         q, s = quantize_weight_fp8(w, gran)
+        if name in pair_amax:
+            s = fp8_scale_from_amax(pair_amax[name].float())
         if fmt == "ct-w8a8-int8":  # round(w / s) to int8 in fp32, s = amax / 127 in bf16
-            s = (w.float().abs().amax(1) / 127).clamp(min=1e-8).to(torch.bfloat16).float()
+            s = synth_4bit.div(w.float().abs().amax(1), 127).clamp(min=1e-8).to(torch.bfloat16).float()
             q = torch.round(w.float() / s[:, None]).clamp(-128, 127).to(torch.int8)
         elif not modelopt:
             # llm-compressor divides in the model dtype by the stored (bf16) scale
@@ -228,7 +343,7 @@ def _quantize_fp8(fmt: str, state: dict, amax: dict[str, float]) -> dict:
         if static_act:
             a = torch.tensor(amax[name] / FP8_MAX, dtype=torch.float32)
             state[f"{name}.input_scale"] = a if modelopt else a.reshape(1).to(torch.bfloat16)
-    return _modelopt_configs(fmt) if modelopt else _ct_config(fmt)
+    return _modelopt_configs(fmt, routers) if modelopt else _ct_config(fmt)
 
 
 def _expand(s, gran, shape):
@@ -240,9 +355,16 @@ def _expand(s, gran, shape):
     return s.repeat_interleave(128, 0).repeat_interleave(128, 1)
 
 
-def _modelopt_configs(fmt: str) -> dict:
+def _expert_partner(name: str) -> str | None:
+    """``...experts.E.up_proj`` for ``...experts.E.gate_proj`` and back; None for other layers."""
+    owner, _, leaf = name.rpartition(".")
+    pair = {"gate_proj": "up_proj", "up_proj": "gate_proj"}
+    return f"{owner}.{pair[leaf]}" if leaf in pair and ".experts." in name else None
+
+
+def _modelopt_configs(fmt: str, routers: list[str] = ()) -> dict:
     algo = {"modelopt-fp8": "FP8", "modelopt-fp8-pcpt": "FP8_PER_CHANNEL_PER_TOKEN", "modelopt-fp8-pbwo": "FP8_PB_WO"}[fmt]
-    exclude = ["lm_head", "model.embed_tokens"]
+    exclude = ["lm_head", "model.embed_tokens", *routers]
     producer = {"name": "modelopt", "version": "0.47.0"}
     group = {"weights": {"dynamic": False, "num_bits": 8, "type": "float"}, "targets": ["Linear"]}
     if algo == "FP8":

@@ -74,6 +74,13 @@ def e2m1_codes(v: torch.Tensor, signed_zero: bool = True) -> torch.Tensor:
     return (mag | (neg.int() << 3)).to(torch.uint8)
 
 
+def div(t: torch.Tensor, d: float) -> torch.Tensor:
+    """``t / d`` divided as on the CPU on every device: the divisor a tensor of ``t``'s dtype on ``t``'s
+    device (CUDA multiplies by the reciprocal of a Python-number or CPU-scalar divisor, 1 ulp off for
+    some values, which would change the written bytes). ``d`` must be exact in ``t``'s dtype."""
+    return t / torch.tensor(d, dtype=t.dtype, device=t.device)
+
+
 def _bf16_rdiv(numerator: float, t: torch.Tensor) -> torch.Tensor:
     """``numerator / t`` for a bf16 tensor as torch computes it (``Tensor.__rtruediv__``: the bf16
     reciprocal times the number, rounded to bf16 again): what compressed-tensors' global scale is."""
@@ -96,7 +103,7 @@ def _mx_exponent(amax: torch.Tensor) -> torch.Tensor:
 
 def modelopt_nvfp4(w: torch.Tensor, w_amax: torch.Tensor, x_amax: torch.Tensor | None) -> dict:
     n, k = w.shape
-    scale_2 = w_amax.float() / (FP4_MAX * E4M3_MAX)
+    scale_2 = div(w_amax.float(), FP4_MAX * E4M3_MAX)
     blocks = w.float().view(n, k // NVFP4_GROUP, NVFP4_GROUP)
     block_scale = blocks.abs().amax(-1) / (FP4_MAX * scale_2)
     block_scale[block_scale == 0] = 1.0
@@ -104,21 +111,21 @@ def modelopt_nvfp4(w: torch.Tensor, w_amax: torch.Tensor, x_amax: torch.Tensor |
     codes = e2m1_codes((blocks / (scale.float() * scale_2).unsqueeze(-1)).view(n, k))
     out = {"weight": pack_e2m1(codes), "weight_scale": scale, "weight_scale_2": scale_2}
     if x_amax is not None:
-        out["input_scale"] = x_amax.float() / (FP4_MAX * E4M3_MAX)
+        out["input_scale"] = div(x_amax.float(), FP4_MAX * E4M3_MAX)
     return out
 
 
 def modelopt_fp8(w: torch.Tensor, x_amax: torch.Tensor) -> dict:
-    scale = w.abs().amax().float() / E4M3_MAX
+    scale = div(w.abs().amax().float(), E4M3_MAX)
     return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale,  # bf16 quotient, as ModelOpt
-            "input_scale": x_amax.float() / E4M3_MAX}
+            "input_scale": div(x_amax.float(), E4M3_MAX)}
 
 
 def ct_nvfp4(w: torch.Tensor, w_amax: torch.Tensor, x_amax: torch.Tensor | None) -> dict:
     n, k = w.shape
     g = _ct_global(w_amax)
     blocks = w.view(n, k // NVFP4_GROUP, NVFP4_GROUP)
-    local = blocks.abs().amax(-1) / torch.tensor(FP4_MAX, dtype=w.dtype)  # in the weight dtype
+    local = div(blocks.abs().amax(-1), FP4_MAX)  # in the weight dtype
     scale = (g * local).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # g is [1]: fp32 product
     scale = torch.where(scale.float() == 0, 0.125, scale.float()).to(torch.float8_e4m3fn)
     codes = e2m1_codes((blocks.float() / (scale.float() / g).unsqueeze(-1)).view(n, k))
@@ -143,8 +150,8 @@ def modelopt_mxfp8(w: torch.Tensor) -> dict:
     2^-e, -448, 448))`` computed in fp32; no input scale (activations are quantized per call)."""
     n, k = w.shape
     blocks = w.view(n, k // MX_GROUP, MX_GROUP)
-    descale = blocks.abs().amax(-1).float() / E4M3_MAX
-    exp = torch.where(descale > 0, torch.log2(descale), torch.tensor(-127.0)).ceil().clamp(-127, 127)
+    descale = div(blocks.abs().amax(-1).float(), E4M3_MAX)
+    exp = torch.where(descale > 0, torch.log2(descale), -127.0).ceil().clamp(-127, 127)
     scale = (exp + 127).to(torch.uint8)
     q = torch.clamp(blocks * torch.exp2(127 - scale.float()).unsqueeze(-1), -E4M3_MAX, E4M3_MAX)
     return {"weight": q.to(torch.float8_e4m3fn).view(n, k), "weight_scale": scale}
@@ -160,11 +167,11 @@ def ct_int(w: torch.Tensor, bits: int, group: int | None, symmetric: bool = True
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     groups = w.view(n, k // g, g)
     if symmetric:
-        scale = groups.abs().amax(-1, keepdim=True) / torch.tensor((qmax - qmin) / 2, dtype=w.dtype)
+        scale = div(groups.abs().amax(-1, keepdim=True), (qmax - qmin) / 2)
     else:
         lo = torch.clamp(groups.amin(-1, keepdim=True), max=0)
         hi = torch.clamp(groups.amax(-1, keepdim=True), min=0)
-        scale = (hi - lo) / torch.tensor(qmax - qmin, dtype=w.dtype)
+        scale = div(hi - lo, qmax - qmin)
         zp = torch.round(torch.clamp(qmin - lo / scale, qmin, qmax)).to(torch.int8)
     scale = torch.where(scale == 0, torch.finfo(w.dtype).eps, scale)
     scaled = groups / scale if symmetric else groups / scale + zp.to(w.dtype)

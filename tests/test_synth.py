@@ -1,6 +1,9 @@
-"""The FP8 writers reproduce the producers' bytes from the same bf16 weights (4-bit: test_synth_4bit.py)."""
+"""The FP8 writers reproduce the producers' bytes from the same bf16 weights (4-bit: test_synth_4bit.py),
+and write the same bytes from a model in memory on any device as through the checkpoint on disk."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -9,18 +12,89 @@ from safetensors import safe_open
 from qcompile import synth
 
 
-@pytest.mark.parametrize("fmt,producer", [("modelopt-fp8", "modelopt-fp8-dense"),
-                                          ("ct-fp8-dynamic", "llmcompressor-fp8-dynamic-dense")])
-def test_fp8_writer_is_byte_identical_to_the_producer(testdata, tmp_path, fmt, producer):
-    synth.write_checkpoint(str(tmp_path), fmt, source=str(testdata / "base-bf16-dense"))
-    with safe_open(str(tmp_path / "model.safetensors"), "pt") as ours, \
-            safe_open(str(testdata / producer / "model.safetensors"), "pt") as theirs:
-        assert set(ours.keys()) - {k for k in ours.keys() if k.endswith("input_scale")} == \
-            set(theirs.keys()) - {k for k in theirs.keys() if k.endswith("input_scale")}
-        for key in theirs.keys():
-            if key.endswith("input_scale"):  # calibrated on other tokens
-                continue
-            a, b = ours.get_tensor(key), theirs.get_tensor(key)
-            assert a.dtype == b.dtype and a.shape == b.shape, key
-            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), key
+def tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory (one file or shards), fp8 viewed as bytes."""
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                out[key] = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    return out
+
+
+def assert_same(ours: dict, theirs: dict, skip: str = "\0") -> None:
+    assert {k for k in ours if skip not in k} == {k for k in theirs if skip not in k}
+    for key, b in theirs.items():
+        if skip in key:
+            continue
+        a = ours[key]
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key
+
+
+@pytest.mark.parametrize("fmt,source,producer", [
+    ("modelopt-fp8", "base-bf16-dense", "modelopt-fp8-dense"),
+    ("ct-fp8-dynamic", "base-bf16-dense", "llmcompressor-fp8-dynamic-dense"),
+    ("modelopt-fp8", "base-bf16-moe", "modelopt-fp8-moe")])
+def test_fp8_writer_is_byte_identical_to_the_producer(testdata, tmp_path, fmt, source, producer):
+    synth.write_checkpoint(str(tmp_path), fmt, source=str(testdata / source))
+    # input scales are calibrated on other tokens
+    assert_same(tensors(tmp_path), tensors(testdata / producer), skip="input_scale")
+    for name in ("config.json", "hf_quant_config.json") if fmt.startswith("modelopt") else ("config.json",):
+        ours, theirs = (json.loads((d / name).read_text()) for d in (tmp_path, testdata / producer))
+        assert ours.get("quantization_config") == theirs.get("quantization_config")
+        assert ours.get("quantization") == theirs.get("quantization"), name
+
+
+def test_moe_expert_scales_follow_modelopt(tmp_path, testdata):
+    """An expert's gate and up share one weight scale; every expert of a layer has the same input scales."""
+    synth.write_checkpoint(str(tmp_path), "modelopt-fp8", source=str(testdata / "base-bf16-moe"))
+    t = tensors(tmp_path)
+    pre = "model.layers.1.mlp.experts"
+    assert torch.equal(t[f"{pre}.3.gate_proj.weight_scale"], t[f"{pre}.3.up_proj.weight_scale"])
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert len({t[f"{pre}.{e}.{proj}.input_scale"].item() for e in range(8)}) == 1
+    assert t[f"{pre}.0.gate_proj.input_scale"].item() != t[f"{pre}.0.down_proj.input_scale"].item()
+
+
+def in_memory_model(device: str, moe: bool = False):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    config = synth.tiny_llama_config() if not moe else Qwen3MoeConfig(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=384)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+
+
+@pytest.mark.parametrize("fmt", ["modelopt-fp8", "modelopt-fp8-pcpt", "ct-w4a16", "ct-nvfp4", "ct-w8a8-int8"])
+def test_in_memory_writer_matches_the_checkpoint_writer(tmp_path, fmt):
+    """write_model from a model in memory (sharded) writes the bytes write_checkpoint writes through disk."""
+    synth.write_checkpoint(str(tmp_path / "disk"), fmt)
+    synth.write_model(str(tmp_path / "mem"), in_memory_model("cpu"), fmt, max_shard_bytes=300_000)
+    assert len(list((tmp_path / "mem").glob("model-*-of-*.safetensors"))) > 1
+    index = json.loads((tmp_path / "mem" / "model.safetensors.index.json").read_text())
+    mem = tensors(tmp_path / "mem")
+    assert set(index["weight_map"]) == set(mem)
+    # the seeded model of write_checkpoint is the same model: same bytes, same quantization config
+    assert_same(mem, tensors(tmp_path / "disk"))
+    ours, theirs = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("mem", "disk"))
+    assert ours["quantization_config"] == theirs["quantization_config"]
+
+
+def test_moe_writer_refuses_formats_it_does_not_cover(tmp_path):
+    with pytest.raises(ValueError, match="MoE writer"):
+        synth.write_model(str(tmp_path), in_memory_model("cpu", moe=True), "ct-w4a16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,moe", [("modelopt-fp8", False), ("modelopt-fp8-pcpt", False), ("ct-w4a16", False),
+                                     ("ct-nvfp4", False), ("modelopt-nvfp4", False), ("ct-w8a8-int8", False),
+                                     ("modelopt-fp8", True)])
+def test_cuda_writer_writes_the_cpu_bytes(tmp_path, fmt, moe):
+    """Quantizing on the GPU gives the CPU's bytes (calibration aside: the input scales may differ by the
+    GPU's bf16 matmul rounding)."""
+    model = in_memory_model("cpu", moe)
+    synth.write_model(str(tmp_path / "cpu"), model, fmt)
+    synth.write_model(str(tmp_path / "cuda"), model.cuda(), fmt)
+    assert_same(tensors(tmp_path / "cuda"), tensors(tmp_path / "cpu"), skip="input")

@@ -1,0 +1,217 @@
+"""The models and measurements behind ``benchmarks/e2e_decode.py``: model shapes, random bf16 models built on
+the device, checkpoints written from them (``qcompile.synth.write_model``: the producers' bytes, quantized on
+the device), and the timed loops (own decode loop, prefill, HF ``generate``), the copy bandwidth and the
+logits errors."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+# The default dense model: Llama-3.1-8B's shapes (untied lm_head).
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, initializer_range=0.02)
+# Qwen3-30B-A3B's shapes, 4 layers by default.
+QWEN3_MOE = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                 num_experts_per_tok=8, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+                 head_dim=128, vocab_size=151936, tie_word_embeddings=False, norm_topk_prob=True,
+                 max_position_embeddings=8192, rms_norm_eps=1e-6, initializer_range=0.02)
+TINY_MOE = dict(QWEN3_MOE, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+                num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                vocab_size=384)
+
+
+def model_config(arch: str, tiny: bool, layers: int | None):
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    from qcompile import synth
+
+    if arch == "llama":
+        config = synth.tiny_llama_config(tie_word_embeddings=False) if tiny else LlamaConfig(**LLAMA_8B)
+    else:
+        config = Qwen3MoeConfig(**(TINY_MOE if tiny else QWEN3_MOE))
+    if layers:
+        config.num_hidden_layers = layers
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 0
+    return config
+
+
+def build_bf16(config, device: str, seed: int = 0):
+    """A random bf16 model made on ``device`` (seeded; no CPU copy of the weights)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted), median of ``reps``."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times[1:])
+
+
+def tensor_bytes(module) -> int:
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def read_bytes(model, batch: int) -> float:
+    """Weight bytes one decode step must read: all, less the input embedding table (only gathered rows
+    are read) and, for MoE, the experts no token of the batch routes to (uniform routing assumed:
+    a fraction ``1 - (1 - k/E)^batch`` of the experts is touched)."""
+    total = tensor_bytes(model)
+    if not model.config.tie_word_embeddings:
+        total -= tensor_bytes(model.get_input_embeddings())
+    e, k = getattr(model.config, "num_experts", 0), getattr(model.config, "num_experts_per_tok", 0)
+    if e:
+        experts = sum(tensor_bytes(m) for n, m in model.named_modules() if n.endswith("mlp.experts"))
+        total -= experts * (1 - k / e) ** batch
+    return total
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def logits_errors(model, compile_fn, probe, quantized: bool) -> dict:
+    """Compiled-vs-eager logits error on ``probe`` and, for a qcompile model, compiled vs its dequantized
+    bf16 copy (made and freed here)."""
+    from qcompile.linear import dequantize_model
+
+    with torch.no_grad():
+        eager = model(probe).logits
+        compiled = compile_fn(lambda ids: model(ids).logits)(probe)
+        out = {"compiled_vs_eager": rel_err(compiled, eager)}
+        if quantized:
+            ref = dequantize_model(copy.deepcopy(model))
+            out["compiled_vs_dequantized_bf16"] = rel_err(compiled, ref(probe).logits)
+            del ref
+    return out
+
+
+class Decoder:
+    """Own greedy decode loop at one batch size: StaticCache, a compiled one-token step (CUDA graphs
+    where the compile function captures them). ``run(n)`` returns the seconds of ``n`` more steps."""
+
+    def __init__(self, model, compile_fn, device: str, batch: int, prompt_len: int, max_steps: int):
+        from transformers import StaticCache
+
+        self.model, self.device = model, device
+        self.cache = StaticCache(config=model.config, max_cache_len=prompt_len + max_steps + 8)
+        ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=device)
+        with torch.no_grad():
+            logits = model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                           cache_position=torch.arange(prompt_len, device=device), logits_to_keep=1).logits
+        self.tok, self.pos = logits[:, -1:].argmax(-1), prompt_len
+        self.step = compile_fn(self._step)
+
+    def _step(self, tok, pos):
+        return self.model(input_ids=tok, past_key_values=self.cache, cache_position=pos, use_cache=True).logits
+
+    def run(self, n: int) -> float:
+        tok, pos = self.tok, self.pos
+        with torch.no_grad():
+            sync(self.device)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                tok = self.step(tok, torch.tensor([pos], device=self.device))[:, -1:].argmax(-1).clone()
+                pos += 1
+            sync(self.device)
+        self.tok, self.pos = tok, pos
+        return time.perf_counter() - t0
+
+
+def decode_tok_s(model, compile_fn, device: str, batch: int, args) -> dict:
+    """Tokens/s (all sequences) of the own loop: median of ``args.reps`` rounds of ``args.tokens`` steps."""
+    dec = Decoder(model, compile_fn, device, batch, args.prompt, args.tokens * (args.reps + 2))
+    dec.run(args.tokens)  # compiles, captures and warms up
+    times = [dec.run(args.tokens) for _ in range(args.reps)]
+    del dec
+    return {"tok_s": batch * args.tokens / statistics.median(times),
+            "ms_per_step": 1e3 * statistics.median(times) / args.tokens,
+            "rounds_tok_s": [round(batch * args.tokens / t) for t in times]}
+
+
+def prefill_ms(model, compile_fn, device: str, length: int, reps: int) -> float:
+    """Median ms of a compiled batch-1 prefill of ``length`` tokens into a StaticCache (last logits only)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    ids = torch.randint(3, model.config.vocab_size, (1, length), device=device)
+    pos = torch.arange(length, device=device)
+    fn = compile_fn(lambda ids, pos: model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True,
+                                           logits_to_keep=1).logits)
+    times = []
+    with torch.no_grad():
+        for _ in range(reps + 2):
+            cache.reset()  # transformers 5.24's static layers count their own positions
+            sync(device)
+            t0 = time.perf_counter()
+            fn(ids, pos)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[2:])
+
+
+def generate_tok_s(model, compile_config, device: str, batch: int, prompt_len: int, new_tokens: int,
+                   reps: int) -> dict:
+    """HF ``generate`` with a static cache and ``compile_config``: decode tokens/s (all sequences) from
+    the time of ``new_tokens`` tokens minus the time of one (the prefill and generate's set-up)."""
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=device)
+
+    def timed(n: int) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, cache_implementation="static", compile_config=compile_config,
+                       pad_token_id=0)
+        sync(device)
+        return time.perf_counter() - t0
+
+    timed(new_tokens)  # compiles and captures
+    timed(new_tokens)
+    full = statistics.median(timed(new_tokens) for _ in range(reps))
+    first = statistics.median(timed(1) for _ in range(reps))
+    return {"tok_s": batch * (new_tokens - 1) / (full - first),
+            "ms_per_step": 1e3 * (full - first) / (new_tokens - 1)}
+
+
+def compile_config(quantized: bool, cuda: bool, inner: str = "inductor"):
+    """generate()'s CompileConfig: qcompile with its CUDA graphs for a quantized model (the backend option;
+    ``mode`` must then be None, torch.compile takes mode or options), inductor reduce-overhead for bf16.
+    ``inner`` other than inductor: that compiler instead (a smoke test)."""
+    from transformers import CompileConfig
+
+    graphs = cuda and inner == "inductor"
+    if quantized:
+        config = CompileConfig(backend="qcompile", fullgraph=True, dynamic=False, mode=None,
+                               options={"cudagraphs": graphs, "inner": inner})
+    else:
+        config = CompileConfig(backend=inner, fullgraph=True, dynamic=False,
+                               mode="reduce-overhead" if graphs else "default")
+    config._compile_all_devices = not cuda  # CPU: compile anyway (a smoke test of the same path)
+    return config
