@@ -53,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--formats", nargs="+", default=None,
                    help=f"models to run, space- or comma-separated (default llama: {' '.join(DENSE_FORMATS)}; "
                         f"qwen3_moe: {' '.join(MOE_FORMATS)}); any of bf16, {', '.join(ONLINE)}, "
-                        "and qcompile.synth's quantized formats")
+                        "and qcompile.synth's quantized formats; FORMAT@KERNEL runs FORMAT with that kernel override "
+                        "(e.g. modelopt-fp8@fp8_inductor)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 32 llama, 4 qwen3_moe)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
     p.add_argument("--tokens", type=int, default=64, help="decode steps per timed round")
@@ -77,7 +78,7 @@ def parse_args(argv=None):
     formats = [f for item in (args.formats or (MOE_FORMATS if args.arch == "qwen3_moe" else DENSE_FORMATS))
                for f in item.split(",") if f]
     known = ("bf16", *ONLINE, *synth.QUANTIZED_FORMATS)
-    unknown = [f for f in formats if f not in known]
+    unknown = [f for f in formats if f.split("@")[0] not in known]
     if unknown:
         p.error(f"unknown format(s) {unknown}; choose from {known}")
     args.formats = formats
@@ -90,23 +91,24 @@ def write_checkpoints(model, args, root: str) -> dict:
     from qcompile import synth
 
     written: dict = {}
-    for source in dict.fromkeys("bf16" if f in ONLINE else f for f in args.formats if f != "bf16"):
+    bases = [f.split("@")[0] for f in args.formats]
+    for source in dict.fromkeys("bf16" if f in ONLINE else f for f in bases if f != "bf16"):
         t0 = time.perf_counter()
         synth.write_model(os.path.join(root, source), model, source, max_shard_bytes=4 << 30)
         em.sync(args.device)
         written[source] = (os.path.join(root, source), time.perf_counter() - t0)
         print(f"wrote {source} in {written[source][1]:.1f} s", flush=True)
-    return {f: written["bf16" if f in ONLINE else f] for f in args.formats if f != "bf16"}
+    return {f: written["bf16" if f in ONLINE else f] for f in bases if f != "bf16"}
 
 
-def measure(name: str, model, args, quantized: bool) -> dict:
+def measure(name: str, model, args, quantized: bool, kernels: str | None = None) -> dict:
     """Every measurement of one model (see the module docstring)."""
     import qcompile
 
     cuda = args.device == "cuda"
     fullgraph = not args.no_fullgraph
     graphs = cuda and args.inner == "inductor"
-    be = qcompile.backend(cudagraphs=graphs, inner=args.inner) if quantized else None
+    be = qcompile.backend(cudagraphs=graphs, inner=args.inner, kernels=kernels) if quantized else None
 
     def compile_fn(f):
         if quantized:
@@ -116,7 +118,8 @@ def measure(name: str, model, args, quantized: bool) -> dict:
         return torch.compile(f, mode="reduce-overhead" if cuda else None, fullgraph=fullgraph, dynamic=False)
 
     def probe_compile(f):  # the error probe: no CUDA graphs
-        return torch.compile(f, backend=qcompile.backend(inner=args.inner) if quantized else args.inner, dynamic=False)
+        return torch.compile(f, backend=qcompile.backend(inner=args.inner, kernels=kernels) if quantized else args.inner,
+                             dynamic=False)
 
     out = {"weight_bytes": em.tensor_bytes(model)}
     probe = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
@@ -165,7 +168,8 @@ def run_model(fmt: str, make, args, results: dict) -> None:
         model = make()
         em.sync(args.device)
         load_s = time.perf_counter() - t0
-        results[name] = {"load_s": load_s, **measure(name, model, args, quantized=fmt != "bf16")}
+        results[name] = {"load_s": load_s, **measure(name, model, args, quantized=fmt != "bf16",
+                                                     kernels=fmt.partition("@")[2] or None)}
     except Exception as e:  # noqa: BLE001  (one model failing must not lose the others' figures)
         traceback.print_exc()
         results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
@@ -239,8 +243,9 @@ def main(argv=None):
     for fmt in args.formats:
         if fmt == "bf16":
             continue
-        path, write_s = paths[fmt]
-        run_model(fmt, lambda path=path, fmt=fmt: qcompile.load(path, device=args.device, online=ONLINE.get(fmt)).eval(),
+        base = fmt.split("@")[0]
+        path, write_s = paths[base]
+        run_model(fmt, lambda path=path, base=base: qcompile.load(path, device=args.device, online=ONLINE.get(base)).eval(),
                   args, results)
         results[f"{fmt} qcompile"]["write_s"] = write_s
     if not args.workdir:
