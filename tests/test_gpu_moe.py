@@ -41,7 +41,7 @@ def test_experts_layer_matches_reference(name):
             want, got = experts(x, ids, w), compiled(x, ids, w)
         assert rel(got, want) < 1e-2, (name, t, rel(got, want))
     if name.endswith("deepseekv3"):  # intermediate 192: 64x128 row blocks, which the fused kernel declines
-        assert {r.kernel for r in be.rows} == {"reference"} and "moe_triton" in be.rows[0].reason, be.explain()
+        assert {r.kernel for r in be.rows} == {"reference"}, be.explain()
     else:
         assert {r.kernel for r in be.rows} == {"moe_triton"}, be.explain()
 
