@@ -103,7 +103,8 @@ def check_int_mm(q: KernelQuery) -> str | None:
     return None
 
 
+# above the weight-only kernels (30), which would run these layers without quantizing the activations
 INT8_INT_MM = register(Kernel(
-    name="int8_int_mm", op=OP, backend="int_mm", priority=30, check=check_int_mm, computes=int8_w8a8_reason,
+    name="int8_int_mm", op=OP, backend="int_mm", priority=40, check=check_int_mm, computes=int8_w8a8_reason,
     description="Triton INT8 activation quant + torch._int_mm (cuBLASLt IMMA) + one scale epilogue",
 ))
