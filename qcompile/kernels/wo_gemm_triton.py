@@ -242,7 +242,7 @@ if HAS_TRITON:
         rows = tl.where(offs_n < N, offs_n, 0)  # clamp, so weight loads stay unmasked 16-byte loads
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T: the weight tile is the MMA's M side
         # iterate over words, not k: the word offset's divisibility (k_split_words % 16 == 0) is what
-        # lets Triton issue 16-byte loads
+        # lets Triton emit 16-byte loads
         w_lo = pid_k * k_split_words
         w_hi = tl.minimum(w_lo + k_split_words, K // EPW)
         # Scales (and zero points) are loaded one K step ahead, by hand: Triton pipelines only the
