@@ -122,33 +122,26 @@ def config_key(kind: str, e: int, h: int, i: int, k: int, t: int, gated: bool = 
 
 
 def default_config(q: MoeQuant, e: int, h: int, i: int, k: int, t: int, num_sms: int = 132) -> MoeConfig:
-    """The rule without measurements. Decode (few rows per expert): 16-row tiles, weights as the MMA's
-    M side, quantization in the prologue, enough programs for every SM (narrower column tiles for GEMM
-    1, split-K for GEMM 2); pairs unaligned while they are few enough to hit distinct experts, and
-    then GEMM 2 folds the top-k sum (3 launches become 2). Prefill: 64- or 128-row tiles, activations
-    quantized once by a separate kernel."""
+    """The rule without measurements: pairs aligned per expert in 16- to 128-row tiles, activations
+    quantized once by a separate kernel (measured faster than quantizing in every program's prologue,
+    and aligned blocks faster than per-pair programs with a folded top-k sum, at every token count).
+    With 16 / 32 rows (decode) the weights are the MMA's M side, GEMM 1 takes narrower column tiles
+    and GEMM 2 a split over K when that leaves SMs idle."""
     p = t * k
     rows = p / max(1, min(e, p))  # rows per active expert
-    per_pair = p <= max(2, e // 4)
-    bm = 16 if per_pair or rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 or q.per_step else 128
+    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 or q.per_step else 128
     small = bm <= 32
-    blocks = p if per_pair else min(e, p) * math.ceil(rows / bm)
+    blocks = min(e, p) * math.ceil(rows / bm)
     # (sm_90 with ptxas: 8 warps keep 64-128 row tiles below 255 registers, block scales included)
     warps, stages = (4, 4) if small else (8, 3)
     bn1 = 64 if not small or blocks * math.ceil(i / 64) >= num_sms else 32
-    g1 = GemmConfig(bn1, 128, 1, warps, stages, small, small)
+    g1 = GemmConfig(bn1, 128, 1, warps, stages, small, False)
     bn2 = 64 if small else 128
     split = 1
     while small and blocks * math.ceil(h / bn2) * split < 2 * num_sms and i // (2 * split) >= 512:
         split *= 2
-    g2 = GemmConfig(bn2, 128, split, warps, stages, small, small)
-    if per_pair:  # GEMM 2 per token: narrow column tiles (and split-K) for programs enough
-        bn2 = next((b for b in (64, 32) if t * math.ceil(h / b) >= num_sms), 16)
-        split = 1
-        while t * math.ceil(h / bn2) * split < num_sms and i // (2 * split) >= 2048:
-            split *= 2
-        g2 = GemmConfig(bn2, 128 if q.per_step else 256, split, 4, 4, True, True)
-    return MoeConfig(bm, per_pair, g1, g2, per_pair)
+    g2 = GemmConfig(bn2, 128, split, warps, stages, small, False)
+    return MoeConfig(bm, False, g1, g2, False)
 
 
 def normalize_config(cfg: MoeConfig, q: MoeQuant, gated: bool) -> MoeConfig:

@@ -29,13 +29,13 @@ optional. Expert ids outside ``[0, E)`` (another rank's experts) contribute noth
 Kernels (:func:`fused_moe`), per layer call:
 
 1. ``moe_align`` (:mod:`moe_kernels`): pairs grouped per expert in blocks of ``block_m`` rows; or, in
-   ``per_pair`` mode (decode), none: each program takes one pair and reads its expert's weights.
+   ``per_pair`` mode (a launch option), none: each program takes one pair and reads its expert's weights.
 2. Activation quantization: in the GEMM's prologue (``fuse_quant``: static, per-token and group
    scales) or one separate kernel (the only way for dynamic per-tensor scales).
 3. GEMM 1 (``_moe_gemm_kernel``): the gate and the up tile of each output column block in one
    program, bias and activation in the epilogue; writes h [T·k, I] in x.dtype (rows by pair).
 4. GEMM 2: the same kernel without activation; bias and router weight in the epilogue; writes
-   y [split_k, T·k, H] (fp32 partials when split over K, else x.dtype). With ``fold_topk`` (decode)
+   y [split_k, T·k, H] (fp32 partials when split over K, else x.dtype). With ``fold_topk`` (an option)
    one program per token runs its k experts in turn and writes out[t] itself (or per-split rows).
 5. ``_moe_sum_kernel``: out[t] = sum over j (then splits) of y[., t·k + j] in a fixed order: no
    atomics, deterministic.

@@ -272,11 +272,12 @@ def test_default_configs_are_valid(name):
                     assert q.a_static or q.a_gran != mt.G_TENSOR or not g.fuse_quant
                     assert g.swap == (cfg.block_m < 64)
                 assert not gated or cfg.gemm1.split_k == 1
-                assert not cfg.per_pair or cfg.block_m == 16
-                if t <= 4:  # decode: prologue quantization (where possible), 16-row tiles
+                assert not cfg.per_pair and not cfg.fold_topk
+                assert not cfg.gemm1.fuse_quant and not cfg.gemm2.fuse_quant
+                if t <= 4:  # decode: 16-row tiles
                     assert cfg.block_m == 16
                 if t == 4096:
-                    assert cfg.block_m >= 64 and not cfg.gemm1.fuse_quant
+                    assert cfg.block_m >= 64
 
 
 def test_config_lookup_order(monkeypatch, tmp_path):
