@@ -11,8 +11,8 @@ For each expert shape and token count T (random routing, seeded, uniform over th
 * ours: FP8 channel x token, FP8 128-block x 1x128 group, FP8 tensor (static), INT8 W8A8 channel x token.
 
 Weight floor: the bytes of the distinct experts this routing touches (w13 + w2, in the row's element
-size) over the device bandwidth measured in the same run by a large device-to-device copy; "% floor"
-is floor / time.
+size) over the device read bandwidth measured in the same run (:func:`bandwidth_gbps`); "% floor" is
+floor / time.
 
     python benchmarks/bench_moe.py [--shapes mixtral qwen3-30b-a3b] [--tokens 1 4 16 64 256 4096]
                                    [--tune] [--json out.json] [--markdown]
@@ -96,11 +96,17 @@ def _time(fn, t: int, replays: int, device: str) -> float | str:
 
 
 def bandwidth_gbps(device: str) -> float:
-    """Device memory bandwidth (GB/s) of a large copy: read + write bytes over its median time."""
+    """Device read bandwidth (GB/s): the larger of a device-to-device copy (read + write bytes) and a
+    sum over a large buffer (bytes read), median times. The floor of a layer is its weight bytes over
+    this: reads alone run faster than a copy's mixed traffic."""
     n = (1 << 31) if device == "cuda" else (1 << 24)
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * n / (_time(lambda: dst.copy_(src), 4096, 10, device) * 1e-6) / 1e9
+    copy = 2 * n / (_time(lambda: dst.copy_(src), 4096, 10, device) * 1e-6) / 1e9
+    del dst
+    words = src.view(torch.float32).zero_()
+    read = n / (_time(lambda: words.sum(), 4096, 10, device) * 1e-6) / 1e9
+    return max(copy, read)
 
 
 # -- peers -----------------------------------------------------------------------------------------
@@ -207,7 +213,7 @@ def tune_all(shapes, tokens, log) -> dict:
 # -- output ----------------------------------------------------------------------------------------
 
 def markdown(rows: list[dict], device_label: str, bw: float) -> str:
-    out = [(f"Fused MoE on {device_label} (copy bandwidth {bw:.0f} GB/s); µs per layer call, "
+    out = [(f"Fused MoE on {device_label} (read bandwidth {bw:.0f} GB/s); µs per layer call, "
             "% of the weight floor of the experts touched"), ""]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         sel = [r for r in rows if r["shape"] == shape]
