@@ -62,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens before decoding")
     p.add_argument("--prefill", type=int, default=2048, help="prefill length timed at batch 1 (0: skip)")
     p.add_argument("--hf-generate", action="store_true", help="also time model.generate with a CompileConfig")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="print the N GPU kernels with the most time per decode step (torch.profiler)")
     p.add_argument("--quick", action="store_true", help="4 layers, 32 tokens, 3 rounds, prefill 512")
     p.add_argument("--tiny", action="store_true", help="the 256-wide test shapes (smoke test)")
     p.add_argument("--device", default="cuda")
@@ -125,11 +127,13 @@ def measure(name: str, model, args, quantized: bool, kernels: str | None = None)
     probe = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
     out["errors"] = em.logits_errors(model, probe_compile, probe.to(args.device), quantized)
     for b in args.batch:
-        out[f"decode_b{b}"] = em.decode_tok_s(model, compile_fn, args.device, b, args)
+        out[f"decode_b{b}"] = em.decode_tok_s(model, compile_fn, args.device, b, args, args.profile)
         floor_s = em.read_bytes(model, b) / args.bandwidth
         out[f"decode_b{b}"].update(floor_ms_per_step=1e3 * floor_s,
                                    pct_of_floor=100 * floor_s * 1e3 / out[f"decode_b{b}"]["ms_per_step"])
         print(f"  {name} batch {b}: {out[f'decode_b{b}']['tok_s']:.0f} tok/s", flush=True)
+        for kname, us, count in out[f"decode_b{b}"].get("kernels", []):
+            print(f"    {us:8.1f} us/step  x{count:<5g} {kname}", flush=True)
     if args.prefill:
         out["prefill_ms"] = em.prefill_ms(model, compile_fn, args.device, args.prefill, args.reps)
     if quantized:
