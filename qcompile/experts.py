@@ -24,9 +24,10 @@ Life cycle (driven by :mod:`qcompile.loading`), as :class:`~qcompile.linear.Quan
    tensor), as :class:`ExpertSlot` holders under the per-expert names transformers loads
    (``experts.<e>.gate_proj.weight``); transformers' own gate/up merge is switched off for these modules.
 2. transformers sets each tensor on its slot; the slot hands it over at once
-   (:meth:`QuantExperts.receive`): converted by the slot's ``_to_canonical`` and copied into its place
-   in the stacked tensor, so a load holds the stacked weights plus the tensor in flight, never a second
-   copy of a layer.
+   (:meth:`QuantExperts.receive`): converted by the slot's ``_to_canonical``, copied into its place
+   in the stacked tensor (allocated unfilled: it takes memory as it fills) and its file pages released,
+   so a load holds the stacked part plus the checkpoint pages not yet stacked, never a second copy of a
+   layer (tests/test_moe_memory.py: the peak stays within 1.1x the loaded weights).
 3. :meth:`QuantExperts.finalize`: every expected tensor arrived; per-shard scalars merged as above.
 4. :meth:`QuantExperts.disk_tensors` (``save_pretrained``): the per-expert checkpoint tensors back.
 """
@@ -224,7 +225,10 @@ class QuantExperts(nn.Module):
     def _buffer(self, kind: str, group: str, role: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
         store = self.__dict__[kind]
         if (group, role) not in store:
-            store[group, role] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            # Not zero-filled: the OS then backs a page only once an expert's tensor is written there, while
+            # the pages of the experts still to come are already resident in the file mapping (transformers
+            # reads ahead). Every block is written before finalize (_check_all_received).
+            store[group, role] = torch.empty(shape, dtype=like.dtype, device=like.device)
         return store[group, role]
 
     # -- 3. finalize -----------------------------------------------------------------------------

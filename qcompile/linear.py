@@ -20,6 +20,7 @@ device; the backend's Linear pass lowers that op to a kernel.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 from dataclasses import replace
@@ -208,7 +209,7 @@ class QuantLinear(nn.Module):
                                       where=self.name, fix="the checkpoint does not match the model config")
             return None
         if t.dtype == torch.float8_e4m3fn:  # NVFP4 block scales: zero is legal (an all-zero block)
-            _check_finite(t.float(), self.name, spec.name)
+            _check_finite(t, self.name, spec.name)
         if t.dtype in FLOATS:
             t = t.float()  # bf16 / fp16 scales widen exactly
             _check_finite_positive(t, self.name, spec.name)
@@ -328,7 +329,7 @@ def release_memory(source: torch.Tensor) -> None:
     nothing changes but the RSS. Linux / glibc only; elsewhere a no-op."""
     if source.device.type != "cpu" or not sys.platform.startswith("linux"):
         return
-    libc = ctypes.CDLL(None)
+    libc = _libc()
     page = mmap.PAGESIZE
     start, end = source.data_ptr(), source.data_ptr() + source.numel() * source.element_size()
     first, last = -(-start // page) * page, end // page * page
@@ -336,6 +337,12 @@ def release_memory(source: torch.Tensor) -> None:
         libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
     if hasattr(libc, "malloc_trim"):  # glibc
         libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    # one handle: each CDLL builds its own function-pointer class, garbage that lingers until the next gc
+    return ctypes.CDLL(None)
 
 
 def _in_safetensors_mapping(start: int, end: int) -> bool:
@@ -361,7 +368,8 @@ def _check_divisible(lq: LayerQuant, name: str, n: int, k: int) -> None:
 
 
 def _check_finite(t: torch.Tensor, layer: str, tensor: str) -> None:
-    if not torch.isfinite(t).all():
+    # fp8 e4m3fn has no inf: its NaN test needs no fp32 copy (4x the tensor, per tensor while loading)
+    if bool(torch.isnan(t).any()) if t.dtype == torch.float8_e4m3fn else not torch.isfinite(t).all():
         raise CheckpointError(f"tensor {layer}.{tensor} holds NaN or inf", where=layer,
                               fix="the checkpoint is corrupt; re-export it")
 

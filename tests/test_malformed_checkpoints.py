@@ -79,6 +79,8 @@ CASES = {
                                    (), CheckpointError, f"{Q}.weight_scale"),
     "NaN weight_scale": ("modelopt-fp8", {f"{Q}.weight_scale": setval(NAN)}, None, (), CheckpointError, "NaN"),
     "inf input_scale": ("modelopt-fp8", {f"{G}.input_scale": setval(INF)}, None, (), CheckpointError, f"{G}.input_scale"),
+    "one NaN fp8 weight code": ("modelopt-fp8", {f"{Q}.weight": setval(NAN, 5)}, None, (), CheckpointError,
+                                f"{Q}.weight holds NaN"),
     "zero weight_scale": ("modelopt-fp8", {f"{Q}.weight_scale": setval(0.0)}, None, (), CheckpointError, "zero"),
     "negative input_scale": ("modelopt-fp8", {f"{Q}.input_scale": setval(-1.0)}, None, (), CheckpointError, "negative"),
     "one NaN channel scale": ("ct-fp8-dynamic", {f"{G}.weight_scale": setval(NAN, 7)}, None, (), CheckpointError,

@@ -1,13 +1,11 @@
 """Online FP8 quantization while loading a bf16 checkpoint keeps its peak resident memory near the
 quantized model's size: at most 1.2x the final weights plus one layer's bf16 weight (measured in a
-subprocess: the peak RSS minus the RSS after imports and a warm-up load). On this 4-layer model (121 MiB
-of bf16 weights, 61 MiB loaded) the bound is 81 MiB; whole-layer fp32 temporaries and the bf16 pages
-left mapped (see linear.release_memory) take it past 200 MiB."""
+subprocess by tests/load_memory.py: the peak RSS minus the RSS after imports and a warm-up load). On
+this 4-layer model (121 MiB of bf16 weights, 61 MiB loaded) the bound is 81 MiB; whole-layer fp32
+temporaries and the bf16 pages left mapped (see linear.release_memory) take it past 200 MiB."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,36 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from qcompile import synth
 from qcompile.linear import release_memory
-
-REPO = Path(__file__).resolve().parents[1]
-
-# The peak is VmHWM, this process's own high-water mark (reset before each load through clear_refs):
-# ru_maxrss also holds the RSS of the process that started it (Linux carries it over exec), here pytest's.
-CHILD = r"""
-import gc, json, sys
-import torch, transformers, qcompile
-from qcompile.linear import QuantLinear
-transformers.logging.set_verbosity_error()
-big, tiny = sys.argv[1:3]
-
-def status(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) * 1024
-
-for online in ("fp8_per_tensor", "fp8_per_block"):
-    qcompile.load(tiny, online=online)  # the code paths, libraries and imports a load needs, before the baseline
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    base = status("VmRSS")
-    model = qcompile.load(big, online=online)
-    peak = status("VmHWM")
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    print(json.dumps({"online": online, "growth": peak - base, "layers": len(layers),
-                      "weights": sum(p.numel() * p.element_size() for p in model.parameters()),
-                      "layer_bf16": max(m.in_features * m.out_features * 2 for m in layers)}))
-    del model, layers
-"""
+from tests.load_memory import load_peaks, mib
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +28,13 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_online_load_peak_memory(checkpoints):
-    out = subprocess.run([sys.executable, "-c", CHILD, *checkpoints], cwd=REPO, capture_output=True, text=True,
-                         timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [r["online"] for r in results] == ["fp8_per_tensor", "fp8_per_block"]
+    results = load_peaks(*checkpoints, [{"online": "fp8_per_tensor"}, {"online": "fp8_per_block"}])
     for got in results:
-        assert got["layers"] == 28
-        bound = 1.2 * got["weights"] + got["layer_bf16"]
+        assert got["quant_linears"] == 28
+        bound = 1.2 * got["weights"] + got["largest_linear_bf16"]
         assert got["growth"] <= bound, (
-            f"peak grew {got['growth'] / 2**20:.0f} MiB while loading {got['online']}, over {bound / 2**20:.0f} MiB "
-            f"(1.2 x {got['weights'] / 2**20:.0f} MiB of weights + one {got['layer_bf16'] / 2**20:.0f} MiB bf16 layer)")
+            f"peak grew {mib(got['growth'])} while loading {got['load']}, over {mib(bound)} (1.2 x "
+            f"{mib(got['weights'])} of weights + one {mib(got['largest_linear_bf16'])} bf16 layer)")
 
 
 def _rss_of(path: Path) -> int:
