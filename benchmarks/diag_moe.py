@@ -44,7 +44,20 @@ def variants(d: mc.MoeConfig) -> dict[str, mc.MoeConfig]:
     out["bm32"] = replace(d, block_m=32) if d.block_m == 16 else replace(d, block_m=16)
     out["prologue-quant"] = replace(d, gemm1=replace(g1, fuse_quant=True), gemm2=replace(g2, fuse_quant=True))
     out["per-pair-fold"] = replace(d, block_m=16, per_pair=True, fold_topk=True)
+    out["per-pair"] = replace(d, block_m=16, per_pair=True, fold_topk=False)
     return out
+
+
+def align_sweep(shapes, tokens) -> None:
+    """moe_align alone (16-row blocks) per warp count."""
+    from qcompile.kernels.moe_kernels import moe_align
+
+    for name in shapes:
+        e, _, _, k = SHAPES[name]
+        for t in tokens:
+            ids = torch.rand(t, e, device="cuda").argsort(1)[:, :k].to(torch.int32)
+            cells = [f"warps {w} {t_us(lambda: moe_align(ids, e, 16, num_warps=w))}" for w in (1, 2, 4, 8, 16)]
+            print(f"align {name} T={t}: " + " | ".join(cells), flush=True)
 
 
 def main() -> None:
@@ -57,6 +70,7 @@ def main() -> None:
     q = mc.moe_quant(scheme)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"GPU {torch.cuda.get_device_name()}, scheme {scheme}", flush=True)
+    align_sweep(args.shapes, args.tokens)
     for name in args.shapes:
         e, h, i, k = SHAPES[name]
         base = mt.make_moe_inputs(scheme, e, h, i, k, max(args.tokens), device="cuda")

@@ -136,7 +136,8 @@ if HAS_TRITON:
         _scatter(onehot, offs, e, tl.load(base_ptr + c * E_POW2 + tl.arange(0, E_POW2)), sorted_ptr)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_ids, block_expert) of ``topk_ids`` [T, k] (int32 / int64) as the module doc says.
     Triton on CUDA (or CPU under the interpreter), else :func:`moe_align_reference`."""
     if not use_triton(topk_ids):
@@ -153,20 +154,21 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
         return sorted_ids, block_expert
     e_pow2 = _pow2(num_experts)
     chunk = max(16, min(_pow2(p), ONEHOT_ELEMS // e_pow2))
-    b_chunk = max(16, ONEHOT_ELEMS // 4 // block_m)
+    # blocks laid out per step of _layout's loop: [b_chunk, E_POW2] and [b_chunk, block_m] tiles
+    b_chunk = max(16, min(_pow2(max_blocks), ONEHOT_ELEMS // max(e_pow2, 4 * block_m)))
     if p <= chunk:
         _align_one_kernel[(1,)](ids, sorted_ids, block_expert, p, num_experts, max_blocks, BLOCK_M=block_m,
-                                CHUNK=chunk, E_POW2=e_pow2, B_CHUNK=b_chunk, num_warps=NUM_WARPS)
+                                CHUNK=chunk, E_POW2=e_pow2, B_CHUNK=b_chunk, num_warps=num_warps)
         return sorted_ids, block_expert
     chunks = triton.cdiv(p, chunk)
     counts = torch.empty((chunks, e_pow2), dtype=torch.int32, device=dev)
     base = torch.empty_like(counts)
-    _align_count_kernel[(chunks,)](ids, counts, p, num_experts, CHUNK=chunk, E_POW2=e_pow2, num_warps=NUM_WARPS)
+    _align_count_kernel[(chunks,)](ids, counts, p, num_experts, CHUNK=chunk, E_POW2=e_pow2, num_warps=num_warps)
     _align_scan_kernel[(1,)](counts, base, sorted_ids, block_expert, p, chunks, max_blocks, BLOCK_M=block_m,
                              E_POW2=e_pow2, C_TILE=max(1, ONEHOT_ELEMS // e_pow2), B_CHUNK=b_chunk,
-                             num_warps=NUM_WARPS)
+                             num_warps=num_warps)
     _align_scatter_kernel[(chunks,)](ids, base, sorted_ids, p, num_experts, CHUNK=chunk, E_POW2=e_pow2,
-                                     num_warps=NUM_WARPS)
+                                     num_warps=num_warps)
     return sorted_ids, block_expert
 
 
