@@ -10,7 +10,9 @@ the ``torch_dynamo_backends`` entry point) and, from a source checkout too, once
 
 Pipeline on the graph Dynamo hands over: the passes in order (:meth:`QCompileBackend.passes`: the Fuse
 pass ``qcompile.passes.fuse_linears`` (off with ``fuse=False``), the Linear pass ``qcompile.passes.linear``,
-then the Experts pass ``qcompile.passes.experts``), then the inner compiler. ``qcompile.explain()`` (or ``backend_instance.explain()``) prints what matched.
+then the Experts pass ``qcompile.passes.experts``), then the inner compiler, on the graph less the inputs whose
+tensors the Fuse pass made views of its fused constants (nothing reads them any more). ``qcompile.explain()``
+(or ``backend_instance.explain()``) prints what matched.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class QCompileBackend:
             self._online = parse_quant_config(online_config(self.options.online, ignore=self.options.ignore))
 
     def __call__(self, gm, example_inputs, options: dict | None = None, **kwargs):
+        from .passes.fuse_linears import drop_shared_inputs
+
         if options:  # torch.compile(..., backend="qcompile", options={...}): one instance per options
             key = repr(sorted(options.items()))
             if key not in self._by_options:
@@ -78,9 +82,11 @@ class QCompileBackend:
             self._rows.update((r.module, r) for r in lower(gm, example_inputs))
         _LAST.clear()
         _LAST.extend(self.rows)
+        inputs, keep = drop_shared_inputs(gm, example_inputs)
         if self.options.on_graph:
             self.options.on_graph(before, gm.code)
-        return self._inner(gm, example_inputs)
+        compiled = self._inner(gm, inputs)
+        return compiled if keep is None else _KeptInputs(compiled, keep, len(example_inputs))
 
     def passes(self) -> list:
         """The lowering passes, in the order they run: each rewrites the graph in place and returns its
@@ -121,6 +127,18 @@ class QCompileBackend:
 
     def explain(self) -> str:
         return format_explain(self.rows)
+
+
+class _KeptInputs:
+    """A compiled graph some of whose ``n`` inputs the passes removed (``drop_shared_inputs``). Dynamo calls it
+    with the inputs of the graph as the passes left it (it reads the placeholders after compiling); a caller
+    that passes all ``n`` has those removed left out."""
+
+    def __init__(self, compiled, keep: list[int], n: int):
+        self.compiled, self.keep, self.n = compiled, keep, n
+
+    def __call__(self, *args):
+        return self.compiled(*([args[i] for i in self.keep] if len(args) == self.n else args))
 
 
 _LAST: list = []

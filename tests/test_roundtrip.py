@@ -106,6 +106,27 @@ def test_producer_checkpoint_round_trips(name, testdata, tmp_path):
     round_trip(testdata / name, tmp_path / "saved")
 
 
+@pytest.mark.parametrize("name", PRODUCER_DENSE)
+def test_compiled_model_round_trips(name, testdata, tmp_path):
+    """Compiling fuses q/k/v and gate/up into shared storage (the shards view it): saving still writes each
+    shard's tensors. The checkpoint is the producer's, but where ModelOpt's per-tensor FP8 shards were
+    requantized to their largest scale (as the compiled model runs them): those shards' weights and
+    scales are the requantized ones, which load back as the eager model now holds them."""
+    src = testdata / name
+    model = qcompile.load(str(src))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=qcompile.backend(inner="eager"))(torch.tensor([[1, 17, 42, 99]]))
+    model.save_pretrained(tmp_path)
+    assert_same_weights(model, qcompile.load(str(tmp_path)))
+    if name != "modelopt-fp8-dense":
+        assert_same_checkpoint(src, tmp_path)
+        return
+    want, got = load_file(src / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    changed = {k.rsplit(".", 2)[-2] for k in want if _bytes(got[k]) != _bytes(want[k])}
+    assert changed and changed <= {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}, changed
+
+
 def test_act_order_sorted_and_tiled_round_trips(synth_ckpt, tmp_path):
     src = act_order_checkpoint(synth_ckpt("ct-w4a16"), tmp_path / "src")
     model = round_trip(src, tmp_path / "saved")

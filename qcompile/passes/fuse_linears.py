@@ -28,9 +28,18 @@ online (bf16) weights   concatenated, then quantized once by the online scheme
 Shards of different schemes stay separate, as do shards a ``{module glob: kernel}`` override tells apart.
 Experts (``qcompile::experts_ref``) and routers (never quantized) are not linears here.
 
-Memory: the fused constants are new tensors; the shards' own tensors stay in the model (the eager model
-still runs them), so compiling holds a second copy of the fused layers' weights. ``backend(fuse=False)``
-turns the pass off.
+Memory: the model and the compiled graph hold the fused layers' tensors once. A fused tensor that is the
+shards' tensors one after another (weight codes, channel / group / block scales, zero points, biases when
+every shard has one) becomes the shards' storage: each shard's tensor is made its rows of it, in place, and
+its own storage freed, so the eager model, ``state_dict`` and ``save_pretrained`` (which writes each shard's
+tensors, as before) read the same bytes the fused matmul does. Requantized per-tensor shards take the
+requantized codes and the largest scale: once compiled, the eager model runs them as the compiled one
+does (as the reference keeps only the fused layer), and ``save_pretrained`` writes them so. The shards'
+placeholders, which nothing in the graph reads any more, are removed before the inner compiler runs
+(:func:`drop_shared_inputs`). A shard tensor that another call in the graph reads too keeps its own
+storage (the fused constant is then a copy). Compiling again finds the shards back to back and fuses them
+as a view, without a copy. Scalars (the largest input scale) and online shards' FP8 (from bf16 weights)
+are new. ``backend(fuse=False)`` turns the pass off.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -53,12 +62,14 @@ from .lowering import ExplainRow, bind, example, module_of, op_of
 log = logging.getLogger("qcompile")
 
 _UNKNOWN = object()  # an argument whose value is not known at compile time
+SHARED = "qcompile_shared"  # placeholder meta: its tensor is now a view of a fused constant (_share)
 
 
 @dataclass
 class Shard:
     """One linear of a group: its call node, input node, module, scheme key, canonical tensors by role
-    (``weight``, ``weight_scale``, ...; an online shard: only its bf16 ``weight``) and bias."""
+    (``weight``, ``weight_scale``, ...; an online shard: only its bf16 ``weight``), bias, and the call's
+    argument nodes by role (``bias`` too)."""
 
     node: fx.Node
     x: fx.Node
@@ -67,6 +78,7 @@ class Shard:
     tensors: dict[str, torch.Tensor | None]
     bias: torch.Tensor | None
     online: LayerQuant | None = None
+    args: dict = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -100,7 +112,8 @@ def fuse_linears(gm: fx.GraphModule, example_inputs, kernels=None, online: Quant
     if fused:
         gm.graph.lint()
         gm.recompile()
-        log.info("qcompile: fused %d groups of linears (%.1f MiB of fused constants)", fused, extra / 2**20)
+        log.info("qcompile: fused %d groups of linears (%.1f MiB of fused constants beside the model's tensors)",
+                 fused, extra / 2**20)
     return []
 
 
@@ -114,7 +127,7 @@ def _shard(gm: fx.GraphModule, node: fx.Node, real: dict, online: QuantConfig | 
         bias = _value(gm, args.get("bias"), real)
         if _UNKNOWN in (*tensors.values(), bias) or not isinstance(args["x"], fx.Node):
             return None
-        return Shard(node, args["x"], module_of(args["weight"]), args["scheme"], tensors, bias)
+        return Shard(node, args["x"], module_of(args["weight"]), args["scheme"], tensors, bias, args=args)
     if online is not None and node.target in LINEAR_TARGETS + ADDMM_TARGETS:
         lin = online_linear(node, online, real, rows=[])  # the Linear pass reports what stays bf16
         bias = _value(gm, lin.bias, real) if lin is not None else _UNKNOWN
@@ -174,44 +187,107 @@ def _all_equal(shards: list[Shard], role: str) -> bool:
     return first is None or all(torch.equal(s.tensors[role], first) for s in shards[1:])
 
 
-def _merge(shards: list[Shard]) -> dict[str, torch.Tensor | None]:
-    """The fused canonical tensors by role (module docstring)."""
+def _merge(shards: list[Shard]) -> tuple[dict[str, torch.Tensor | None], set[str]]:
+    """The fused canonical tensors by role (module docstring), and the roles whose fused tensor is the
+    shards' tensors one after another along dim 0 (their storage, :func:`_share`)."""
     if shards[0].online is not None:
         q, s = quantize_online(torch.cat([s.tensors["weight"] for s in shards]), shards[0].online)
-        return {"weight": q, "weight_scale": s}
+        return {"weight": q, "weight_scale": s}, set()
     w = parse_scheme_key(shards[0].scheme).weight
     per_tensor = w.scale.granularity is Granularity.TENSOR
-    cat = lambda role: torch.cat([s.tensors[role] for s in shards])  # noqa: E731
+    joined = {"weight"}
     out = {role: shards[0].tensors[role] for role in shards[0].tensors}  # per-tensor, equal: the first's
     if per_tensor and not _all_equal(shards, "weight_scale"):
         out["weight"], out["weight_scale"] = quant_math.requantize_to_max_scale(
             [s.tensors["weight"] for s in shards], [s.tensors["weight_scale"] for s in shards])
         log.info("qcompile: %s requantized to their largest per-tensor scale", fused_name([s.module for s in shards]))
     else:
-        out["weight"] = cat("weight")
+        out["weight"] = _concat([s.tensors["weight"] for s in shards])
         if not per_tensor:
-            out["weight_scale"] = cat("weight_scale")
+            joined.add("weight_scale")
     if out.get("weight_zero_point") is not None and not per_tensor:
-        out["weight_zero_point"] = cat("weight_zero_point")
+        joined.add("weight_zero_point")
+    for role in joined - {"weight"}:
+        out[role] = _concat([s.tensors[role] for s in shards])
     for role in ("input_scale", "input_global_scale"):
         if out.get(role) is not None:
             out[role] = torch.stack([s.tensors[role].float().reshape(()) for s in shards]).amax()
-    return out
+    return out, joined
 
 
-def _bias(shards: list[Shard]) -> torch.Tensor | None:
+def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``; a view, and no copy, when the parts already lie back to back in one storage (the
+    shards of a group fused before, compiled again)."""
+    first, offset = parts[0], parts[0].storage_offset()
+    for part in parts:
+        if not (part.is_contiguous() and part.dtype == first.dtype and part.shape[1:] == first.shape[1:]
+                and part.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and part.storage_offset() == offset):
+            return torch.cat(parts)
+        offset += part.numel()
+    rows = sum(part.shape[0] for part in parts)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+
+
+def _bias(shards: list[Shard]) -> tuple[torch.Tensor | None, bool]:
+    """The fused bias, and whether it is the shards' biases joined (every shard has one, of one dtype)."""
     given = [s.bias for s in shards if s.bias is not None]
     if not given:
-        return None
-    return torch.cat([s.bias.to(given[0].dtype) if s.bias is not None else
-                      given[0].new_zeros(s.n) for s in shards])
+        return None, False
+    if len(given) == len(shards) and len({b.dtype for b in given}) == 1:
+        return _concat(given), True
+    return torch.cat([s.bias.to(given[0].dtype) if s.bias is not None else given[0].new_zeros(s.n)
+                      for s in shards]), False
+
+
+def _share(shards: list[Shard], fused: dict[str, torch.Tensor | None], joined: set[str]) -> int:
+    """Make each shard's tensor of the ``joined`` roles its rows of the fused tensor, in place (``.data``), so
+    that the model and the graph hold one copy of the fused layers' tensors and the shards' own storage is
+    freed. A requantized weight (per-tensor scales that differed) gives the shards its codes, so they take
+    its scale too. Only tensors that reach the graph as placeholders nothing reads any more: the backend
+    drops those placeholders before the inner compiler fakes the inputs (:func:`drop_shared_inputs`), which
+    would find a tensor's layout changed since Dynamo traced it. Returns the bytes shared."""
+    shared = 0
+    for role in joined:
+        nodes = [s.args.get(role) for s in shards]
+        if not all(isinstance(n, fx.Node) and n.op == "placeholder" and not n.users for n in nodes):
+            continue  # read elsewhere too: the shards keep their own
+        start = 0
+        for shard, node in zip(shards, nodes):
+            own = shard.bias if role == "bias" else shard.tensors[role]
+            own.data = fused[role][start:start + own.shape[0]]
+            start += own.shape[0]
+            node.meta[SHARED] = True
+        shared += fused[role].numel() * fused[role].element_size()
+        if role == "weight" and "weight_scale" not in joined and fused.get("weight_scale") is not None:
+            # one per-tensor scale: the fused weight's
+            for shard in shards:
+                shard.tensors["weight_scale"].copy_(fused["weight_scale"])
+    return shared
+
+
+def drop_shared_inputs(gm: fx.GraphModule, example_inputs: list) -> tuple[list, list[int] | None]:
+    """After the passes: remove from ``gm`` the placeholders whose tensors :func:`_share` made views of a
+    fused constant. Returns the example inputs left, and the positions of those kept among
+    ``example_inputs`` (None when none was removed)."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    drop = {i for i, n in enumerate(placeholders) if n.meta.get(SHARED) and not n.users}
+    if not drop:
+        return example_inputs, None
+    for i in drop:
+        gm.graph.erase_node(placeholders[i])
+    gm.recompile()
+    keep = [i for i in range(len(placeholders)) if i not in drop]
+    return [example_inputs[i] for i in keep], keep
 
 
 def _fuse(gm: fx.GraphModule, shards: list[Shard], index: int) -> int:
-    """Replace ``shards`` by one ``linear_ref`` on fused constants and a split; returns the constants' bytes."""
+    """Replace ``shards`` by one ``linear_ref`` on fused constants and a split; returns the bytes of the
+    constants that are not the shards' tensors (:func:`_share`)."""
     with torch.no_grad():
-        tensors, bias = _merge(shards), _bias(shards)
-    tensors["bias"] = bias
+        tensors, joined = _merge(shards)
+        tensors["bias"], bias_joined = _bias(shards)
+        joined |= {"bias"} if bias_joined else set()
     graph, first, name = gm.graph, shards[0].node, fused_name([s.module for s in shards])
     with graph.inserting_before(first):
         consts = {role: add_constant(gm, f"_qcompile_fused{index}_{role}", t.contiguous()) if t is not None else None
@@ -230,8 +306,10 @@ def _fuse(gm: fx.GraphModule, shards: list[Shard], index: int) -> int:
             shard.node.replace_all_uses_with(out)
     for shard in shards:  # after the inserts: they go before the first of them
         graph.erase_node(shard.node)
+    with torch.no_grad():
+        shared = _share(shards, tensors, joined)
     log.info("qcompile: %s -> one linear, N = %s", name, "+".join(str(s.n) for s in shards))
-    return sum(t.numel() * t.element_size() for t in tensors.values() if t is not None)
+    return sum(t.numel() * t.element_size() for t in tensors.values() if t is not None) - shared
 
 
 def _set_example(node: fx.Node, like: fx.Node, n: int) -> None:

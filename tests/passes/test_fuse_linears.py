@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 from expecttest import assert_expected_inline
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import qcompile
 from qcompile.kernels import quant_math
@@ -47,7 +48,11 @@ def _layer0(diff: str) -> str:
 def test_modelopt_fp8_per_tensor_requantizes_to_the_largest_scale(testdata):
     """ModelOpt writes one weight scale per shard (q, k, v differ): the fused weight is every shard
     requantized to the largest, as the reference does; the compiled model equals the eager model with
-    its shards requantized so."""
+    its shards requantized so, which is what the eager model now holds (the shards view the fused codes)."""
+    expected = qcompile.load(str(testdata / "modelopt-fp8-dense"))
+    for layer in expected.model.layers:  # the producer's scales differ
+        assert len({float(m.weight_scale) for m in (layer.mlp.gate_proj, layer.mlp.up_proj)}) > 1
+    requantized_like_fused(expected)
     model, want, out, diff, be = fused_diff(testdata, "modelopt-fp8-dense")
     assert_expected_inline(diff, """\
 -linear_ref = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, None, None, model.layers.0.self_attn.q_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
@@ -74,11 +79,9 @@ def test_modelopt_fp8_per_tensor_requantizes_to_the_largest_scale(testdata):
 +getitem_13 = split_with_sizes_default_1[0]
 +getitem_14 = split_with_sizes_default_1[1]
 +fp8_linear_default_3 = torch.ops.qcompile.fp8_linear.default(x = mul_11, weight = model.layers.0.mlp.down_proj.weight, weight_scale = model.layers.0.mlp.down_proj.weight_scale, input_scale = model.layers.0.mlp.down_proj.input_scale, bias = None, scheme = 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor', backend = 'emulated')""")
-    for layer in model.model.layers:  # the producer's scales differ
-        assert len({float(m.weight_scale) for m in (layer.mlp.gate_proj, layer.mlp.up_proj)}) > 1
-    expected = requantized_like_fused(copy.deepcopy(model))
     with torch.no_grad():
         assert rel(out, expected(IDS).logits) < 1e-3
+        assert torch.equal(model(IDS).logits, expected(IDS).logits)
     # the requantization itself, on this random model (on the trained one: 1 %, perplexity unchanged,
     # tests/test_trained_model.py)
     assert rel(out, want) < 0.15
@@ -209,6 +212,66 @@ def test_pass_off(testdata):
     assert len(be.rows) == 14 and not any("{" in r.module for r in be.rows)
 
 
+def storage_bytes(tensors) -> int:
+    """The bytes of the distinct storages behind ``tensors``: views of one storage count once."""
+    return sum({(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.parametrize("name", ["modelopt-fp8-dense", "llmcompressor-fp8-dynamic-dense",
+                                  "llmcompressor-w4a16-gptq-dense"])
+def test_compiled_model_holds_its_weights_once(testdata, name):
+    """The shards' tensors become views of the fused constants: the quantized linears and the graphs
+    compiled for them (a recompile for another length too) hold the weights' bytes once, the fused shards'
+    own storage is freed, and the eager model computes what it did (ModelOpt: with the fused shards'
+    codes requantized, as compiled)."""
+    model = qcompile.load(str(testdata / name))
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    tensors = lambda: [t for m in linears for t in (*m.parameters(), *m.buffers())]  # noqa: E731
+    before = storage_bytes(tensors())
+    own = [StorageWeakRef(m.weight.untyped_storage()) for m in linears]
+    with torch.no_grad():
+        want = requantized_like_fused(qcompile.load(str(testdata / name)))(IDS).logits
+    graphs = []
+    be = qcompile.backend(inner="eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=lambda gm, example_inputs: graphs.append(gm) or be(gm, example_inputs))
+    with torch.no_grad():
+        for length in (8, 5, 6, 8):
+            compiled(IDS[:, :length])
+        assert torch.equal(model(IDS).logits, want)
+    assert len(graphs) == 2  # the second with a dynamic length
+    after = storage_bytes(tensors() + [t for gm in graphs for t in (*gm.parameters(), *gm.buffers())])
+    assert after <= 1.02 * before, f"{after} bytes after compiling, {before} before"
+    fused = [not m.name.endswith(("o_proj", "down_proj")) for m in linears]
+    assert [ref.expired() for ref in own] == fused
+
+
+def test_a_shard_read_elsewhere_keeps_its_own_tensors():
+    """A shard whose weight another call reads too (its layout must stay as traced): the group fuses on a
+    copy, the shards keep their tensors, not requantized."""
+    torch.manual_seed(0)
+
+    class Reused(Shards):
+        def forward(self, x):
+            return torch.cat([super().forward(x), self.shards[0](x * 2)], -1)
+
+    module = Reused([fp8_shard(32), fp8_shard(16)])
+    weights = [m.weight.clone() for m in module.shards]
+    out, want, calls, _ = run(module)
+    assert calls == 2 and torch.equal(out[:, 48:], want[:, 48:]) and rel(out, want) < 0.05
+    assert all(torch.equal(m.weight.view(torch.uint8), w.view(torch.uint8)) for m, w in zip(module.shards, weights))
+    assert len({m.weight.untyped_storage().data_ptr() for m in module.shards}) == 2
+
+
+def test_shards_with_biases_share_the_fused_storage():
+    torch.manual_seed(0)
+    module = Shards([fp8_shard(32, granularity=Granularity.CHANNEL, bias=True) for _ in range(3)])
+    out, want, calls, _ = run(module)
+    assert calls == 1 and torch.equal(out, want)
+    for role in ("weight", "weight_scale", "bias"):
+        assert len({getattr(m, role).untyped_storage().data_ptr() for m in module.shards}) == 1, role
+
+
 # -- the cases that stay separate, on small modules calling the reference op ----------------------
 
 FP8_TENSOR = "w=fp8_e4m3/tensor;a=fp8_e4m3/dynamic/tensor"
@@ -312,6 +375,27 @@ def test_stays_separate(case):
         return
     out, want, calls, _ = run(module, **options)
     assert calls == 2 and torch.equal(out, want)
+
+
+def test_compiled_graph_takes_the_inputs_left_or_all():
+    """The inner compiler gets the graph less the shards' inputs, which Dynamo leaves out when it calls it;
+    a caller that passes every input it gave the backend has those left out for it."""
+    torch.manual_seed(0)
+    module, compiled = Shards([fp8_shard(32, granularity=Granularity.CHANNEL) for _ in range(2)]), []
+    be = qcompile.backend(inner="eager", kernels="reference")
+
+    def backend(gm, example_inputs):
+        given = list(example_inputs)
+        compiled.append((be(gm, example_inputs), given, len(gm.graph.find_nodes(op="placeholder"))))
+        return compiled[-1][0]
+
+    torch._dynamo.reset()
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = torch.compile(module, backend=backend)(x)
+        fn, given, left = compiled[0]
+        assert left == len(given) - 4  # the shards' weights and scales
+        assert torch.equal(fn(*given)[0], out) and torch.equal(out, module(x))
 
 
 def test_equal_g_idx_and_global_scales_fuse():
