@@ -350,7 +350,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_gemm_kernel(
-            a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, ids_ptr, experts_ptr, route_ptr,
+            a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, ids_ptr, experts_ptr, route_ptr, qs_ptr,
             N, K, P, E, A_DIV, UP, k_split, alpha, limit,
             stride_am, stride_asm, stride_asg, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
             stride_be, stride_os, stride_om,
@@ -358,11 +358,14 @@ if HAS_TRITON:
             GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE: tl.constexpr,
             PER_PAIR: tl.constexpr,
             FOLD_TOPK: tl.constexpr, SWAP: tl.constexpr, NATIVE_FP8: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            OUT_QUANT: tl.constexpr = False, OUT_FP16: tl.constexpr = False):
         # grid (row blocks, tokens or pairs, cdiv(N, BLOCK_N), split_k). Rows of a program: the pairs of
         # one expert's block (sorted_ids); the pair pid_m alone (PER_PAIR); or token pid_m's FOLD_TOPK
         # pairs one after the other, summed in order (FOLD_TOPK > 0). A row = pair // A_DIV.
         # out[pid_k, pair (token when folding), n]. The bias b[expert, n] is added by split 0.
+        # OUT_QUANT: out holds the codes of y, rounded to x's dtype (fp16 when OUT_FP16, else bf16),
+        # quantized with the static scale qs[0]: what the separate quantization kernel would make of it.
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(2)
         offs_m = tl.arange(0, BLOCK_M)
@@ -405,6 +408,9 @@ if HAS_TRITON:
                           route_ptr, pair, m_ok, ACT, GATED, HAS_BIAS, ROUTE)
             out_row = pair
         out = out_ptr + pid_k * stride_os + out_row.to(tl.int64)[:, None] * stride_om + n[None, :]
+        if OUT_QUANT:
+            y = y.to(tl.float16 if OUT_FP16 else tl.bfloat16).to(tl.float32)
+            y = _quantize(y, tl.load(qs_ptr), W_INT8, NATIVE_FP8)
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (n < N)[None, :])
 
     @triton.jit

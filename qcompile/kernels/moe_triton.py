@@ -33,7 +33,9 @@ Kernels (:func:`fused_moe`), per layer call:
 2. Activation quantization: in the GEMM's prologue (``fuse_quant``: static, per-token and group
    scales) or one separate kernel (the only way for dynamic per-tensor scales).
 3. GEMM 1 (``_moe_gemm_kernel``): the gate and the up tile of each output column block in one
-   program, bias and activation in the epilogue; writes h [T·k, I] in x.dtype (rows by pair).
+   program, bias and activation in the epilogue; writes h [T·k, I] in x.dtype (rows by pair), or, with
+   a static activation scale and no prologue quantization in GEMM 2, h's codes under that scale (h
+   rounded to x.dtype first: the values the separate quantization kernel would write, one launch less).
 4. GEMM 2: the same kernel without activation; bias and router weight in the epilogue; writes
    y [split_k, T·k, H] (fp32 partials when split over K, else x.dtype). With ``fold_topk`` (an option)
    one program per token runs its k experts in turn and writes out[t] itself (or per-split rows).
@@ -159,10 +161,13 @@ def _splits(k: int, g: GemmConfig) -> tuple[int, int]:
 
 def _gemm(a, a_scale, a_mode, a_strides, a_div, w, w_scale, bias, out, route, rows, q: MoeQuant, g: GemmConfig,
           n: int, k: int, act: int, gated: bool, per_pair: bool, block_m: int, num_pairs: int, fold_topk: int = 0,
-          swiglu: tuple[float, float] = (SWIGLU_ALPHA, SWIGLU_LIMIT)):
+          swiglu: tuple[float, float] = (SWIGLU_ALPHA, SWIGLU_LIMIT), out_scale: torch.Tensor | None = None,
+          out_fp16: bool = False):
     """One launch of the grouped GEMM: out[split, pair, :n] for every pair of ``rows`` (sorted_ids,
     block_expert) or, per pair, (None, topk_ids flat); out[split, token, :n] when folding ``fold_topk``
-    pairs per token. ``bias`` [E, N] or None (added by the first K split). Returns the number of K splits."""
+    pairs per token. ``bias`` [E, N] or None (added by the first K split). ``out_scale`` (0-d fp32): ``out``
+    receives the codes of the result (in x's dtype first: fp16 when ``out_fp16``) under this static scale.
+    Returns the number of K splits."""
     sorted_ids, experts = rows
     k_split, splits = _splits(k, g)
     ws = [w_scale.stride(d) if d < w_scale.dim() else 0 for d in range(3)]
@@ -170,12 +175,13 @@ def _gemm(a, a_scale, a_mode, a_strides, a_div, w, w_scale, bias, out, route, ro
     _moe_gemm_kernel[grid](
         a, a_scale, w, w_scale, bias if bias is not None else w_scale, out,
         sorted_ids if sorted_ids is not None else experts, experts, route if route is not None else a_scale,
-        n, k, num_pairs, w.shape[0], a_div, n if gated else 0, k_split, float(swiglu[0]), float(swiglu[1]),
+        out_scale if out_scale is not None else a_scale, n, k, num_pairs, w.shape[0], a_div, n if gated else 0, k_split, float(swiglu[0]), float(swiglu[1]),
         a.stride(0), a_strides[0], a_strides[1], w.stride(0), w.stride(1), ws[0], ws[1], ws[2],
         bias.stride(0) if bias is not None else 0, out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
         W_INT8=q.int8, W_GRAN=q.w_gran, A_GRAN=q.a_gran, A_MODE=a_mode, GATED=gated, ACT=act, HAS_BIAS=bias is not None,
         ROUTE=route is not None, PER_PAIR=per_pair, FOLD_TOPK=fold_topk, SWAP=g.swap, NATIVE_FP8=_native_fp8(a),
-        BLOCK_M=block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, num_warps=g.num_warps, num_stages=g.num_stages)
+        BLOCK_M=block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, OUT_QUANT=out_scale is not None, OUT_FP16=out_fp16,
+        num_warps=g.num_warps, num_stages=g.num_stages)
     return splits
 
 
@@ -207,11 +213,20 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale
         a1, a_div, route2 = x, k, route
     common = dict(q=q, per_pair=cfg.per_pair, block_m=cfg.block_m, num_pairs=p)
     a, s, mode, strides = _unpack(_act_operand(a1, q, a13_scale, cfg.gemm1.fuse_quant))
-    # h rows of pairs without a local expert stay zero where a dynamic per-tensor scale reads all rows
-    hid = (torch.zeros if q.a_gran == G_TENSOR and not q.a_static else torch.empty)((p, i), dtype=x.dtype, device=dev)
-    _gemm(a, s, mode, strides, a_div, w13, w13_scale, b13, hid, None, rows, g=cfg.gemm1, n=i, k=h, act=act,
-          gated=gated, swiglu=(swiglu_alpha, swiglu_limit), **common)
-    a, s, mode, strides = _unpack(_act_operand(hid, q, a2_scale, cfg.gemm2.fuse_quant))
+    if q.a_static and not cfg.gemm2.fuse_quant:  # GEMM 1 writes h's codes under the static scale itself
+        a2 = a2_scale.reshape(()).float()
+        hid = torch.empty((p, i), dtype=torch.int8 if q.int8 else torch.float8_e4m3fn, device=dev)
+        _gemm(a, s, mode, strides, a_div, w13, w13_scale, b13, hid, None, rows, g=cfg.gemm1, n=i, k=h, act=act,
+              gated=gated, swiglu=(swiglu_alpha, swiglu_limit), out_scale=a2, out_fp16=x.dtype == torch.float16,
+              **common)
+        a, s, mode, strides = hid, a2, A_CODES, (0, 0)
+    else:
+        # h rows of pairs without a local expert stay zero where a dynamic per-tensor scale reads all rows
+        zero = q.a_gran == G_TENSOR and not q.a_static
+        hid = (torch.zeros if zero else torch.empty)((p, i), dtype=x.dtype, device=dev)
+        _gemm(a, s, mode, strides, a_div, w13, w13_scale, b13, hid, None, rows, g=cfg.gemm1, n=i, k=h, act=act,
+              gated=gated, swiglu=(swiglu_alpha, swiglu_limit), **common)
+        a, s, mode, strides = _unpack(_act_operand(hid, q, a2_scale, cfg.gemm2.fuse_quant))
     split = _splits(i, cfg.gemm2)[1]
     out = torch.empty((t, h), dtype=x.dtype, device=dev)
     if cfg.fold_topk and split == 1:  # GEMM 2 writes the output itself

@@ -382,10 +382,11 @@ def test_op_backends():
 # -- the Triton kernels under the interpreter (subprocess: TRITON_INTERPRET is read at import) --------
 
 INTERPRETER_SCRIPT = textwrap.dedent(r"""
-    import json, os, time, torch
+    import dataclasses, json, os, time, torch
     assert os.environ["TRITON_INTERPRET"] == "1"
     from qcompile.kernels import moe_kernels as mk, moe_triton as mt
-    from tests.kernels.test_moe_triton import PIPELINE_CASES, inputs, independent, compare, align_cases, op_call
+    from tests.kernels.test_moe_triton import (ALIGNED, PIPELINE_CASES, inputs, independent, compare, align_cases,
+                                               op_call)
     assert mk.use_triton(torch.empty(1)), "interpreter not active"
     t0, res = time.time(), {"align": {}, "pipeline": {}}
     for name, (ids, e, bm, elems) in align_cases().items():
@@ -401,6 +402,13 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
         res["pipeline"][name] = dict(compare(out, ref, bound), dtype=str(args["x"].dtype))
     call = inputs("fp8_block_group", t=3, activation="swigluoai")
     res["op_triton"] = bool(torch.equal(torch.ops.qcompile.fused_moe(*op_call(call, "triton")), mt.fused_moe(**call)))
+    res["static_h_codes"] = {}
+    for scheme, dtype in (("fp8_channel_static", torch.float16), ("int8_tensor_static", torch.bfloat16)):
+        call = inputs(scheme, t=5, dtype=dtype)
+        folded = mt.fused_moe(**call, config=ALIGNED)  # GEMM 1 writes h's codes
+        prologue = mt.fused_moe(**call, config=dataclasses.replace(
+            ALIGNED, gemm2=dataclasses.replace(ALIGNED.gemm2, fuse_quant=True)))  # GEMM 2 quantizes h
+        res["static_h_codes"][f"{scheme}-{dtype}"] = bool(torch.equal(folded, prologue))
     res["seconds"] = time.time() - t0
     print(json.dumps(res))
 """)
@@ -502,6 +510,13 @@ def test_fused_moe_under_interpreter(interpreter_results, name):
 
 def test_op_triton_backend_under_interpreter(interpreter_results):
     assert interpreter_results["op_triton"]
+
+
+def test_static_h_codes_from_gemm1_under_interpreter(interpreter_results):
+    """With a static activation scale, GEMM 1 writes h's codes itself: the output is bit-equal to GEMM 2
+    quantizing h (bf16 / fp16) in its prologue, i.e. the same codes as the separate quantization kernel."""
+    assert interpreter_results["static_h_codes"] and all(interpreter_results["static_h_codes"].values()), \
+        interpreter_results["static_h_codes"]
 
 
 # -- on the GPU ------------------------------------------------------------------------------------
