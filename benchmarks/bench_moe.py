@@ -9,13 +9,16 @@ For each expert shape and token count T (random routing, seeded, uniform over th
 * fp8 ``torch._scaled_grouped_mm`` peer: the same with per-row (token) fp8 activations and per-channel
   fp8 weights (rowwise scales), x quantized once before the gather.
 * ours: FP8 channel x token, FP8 128-block x 1x128 group, FP8 tensor (static), INT8 W8A8 channel x token.
+* ours weight-only (``--weight-only``, qcompile::wo_moe): int4 group 128, NVFP4, MXFP4, MXFP8; for int4 also
+  each of the op's two paths forced (the grouped kernel; dequantize + ``torch._grouped_mm``). Their floor
+  counts the stored bytes (codes and scales) of the experts touched.
 
 Weight floor: the bytes of the distinct experts this routing touches (w13 + w2, in the row's element
 size) over the device read bandwidth measured in the same run (:func:`bandwidth_gbps`); "% floor" is
 floor / time.
 
     python benchmarks/bench_moe.py [--shapes mixtral qwen3-30b-a3b] [--tokens 1 4 16 64 256 4096]
-                                   [--tune] [--json out.json] [--markdown]
+                                   [--tune] [--weight-only] [--json out.json] [--markdown]
 
 ``--tune`` runs :func:`qcompile.kernels.moe_config.tune` for every (shape, T, scheme) first (cached on
 disk) and prints the tuned entries in the form of the shipped ``TUNED`` table. ``--dry-run`` runs tiny
@@ -40,7 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qcompile.kernels import moe_config as mc
 from qcompile.kernels import moe_triton as mt
-from qcompile.scheme import ActSpec, Granularity, QDtype, QuantScheme, ScaleSpec, WeightSpec, fp8_scheme
+from qcompile.kernels import moe_wo as mw
+from qcompile.kernels import quant_math
+from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, NVFP4_WEIGHT, ActSpec, Granularity, Packing, QDtype,
+                             QuantScheme, ScaleDtype, ScaleSpec, WeightSpec, fp8_scheme, parse_scheme_key)
 
 SHAPES = {"mixtral": (8, 4096, 14336, 2), "qwen3-30b-a3b": (128, 2048, 768, 8)}  # E, H, I, top-k
 TINY = {"tiny": (8, 256, 192, 2)}
@@ -54,6 +60,18 @@ OURS = {
         ActSpec(QDtype.INT8, True, ScaleSpec(Granularity.TOKEN))).key,
 }
 PEERS = ("bf16 torch._grouped_mm", "fp8 torch._scaled_grouped_mm rowwise")
+# --weight-only: qcompile::wo_moe (Triton grouped weight-only GEMMs). The two "int4 g128" variants force its
+# paths: the grouped kernel at every T, or every expert dequantized + torch._grouped_mm (the op switches
+# above wo_moe.DEQUANT_ROWS rows per active expert); they measure where that switch belongs.
+OURS_WO = {
+    "ours int4 g128 weight-only": QuantScheme(WeightSpec(QDtype.INT4, ScaleSpec(Granularity.GROUP, group_size=128),
+                                                         Packing.INT32)).key,
+    "ours NVFP4 weight-only": QuantScheme(NVFP4_WEIGHT).key,
+    "ours MXFP4 weight-only": QuantScheme(MXFP4_WEIGHT).key,
+    "ours MXFP8 weight-only": QuantScheme(MXFP8_WEIGHT).key,
+}
+WO_PATHS = {"ours int4 g128 weight-only, grouped kernel": 1 << 30,  # label -> wo_moe_triton's dequant_rows
+            "ours int4 g128 weight-only, dequant + grouped_mm": 0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -66,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print only the markdown table")
     p.add_argument("--replays", type=int, default=15, help="timed graph replays (median) (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, wall-clock: a smoke test")
+    p.add_argument("--weight-only", action="store_true",
+                   help="add the weight-only rows (OURS_WO, WO_PATHS: qcompile::wo_moe) to each shape")
     return p
 
 
@@ -197,6 +217,75 @@ def bench_shape(name: str, shape, tokens, replays: int, bw: float, device: str, 
     return rows
 
 
+def wo_expert_weights(spec: WeightSpec, e: int, n: int, k: int, device: str, seed: int) -> tuple:
+    """Random expert weights ~ N(0, 1/k) [E, n, k] rounded to a weight-only format (int4 groups, NVFP4,
+    MXFP4, MXFP8) with quant_math's codes and packers, one expert at a time: the five tensors of
+    ``experts_ref.ROLES`` (weight, scale, global scale, zero point, g_idx), stacked over experts."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    group = spec.scale.group_size
+    parts = []
+    for _ in range(e):
+        w = torch.randn(n, k // group, group, generator=g, device=device) / k**0.5
+        amax = w.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+        gs = None
+        if spec.dtype is QDtype.INT4:
+            s = amax / 7
+            codes = torch.round(w / s).clamp(-8, 7).to(torch.int32).view(n, k)
+            parts.append((quant_math.pack_int32(codes, 4), s.view(n, -1), gs))
+            continue
+        if spec.scale.dtype is ScaleDtype.E8M0:  # OCP MX: power-of-two scales
+            exp = (torch.floor(torch.log2(amax)) - quant_math.MX_EMAX[spec.dtype]).clamp(-127, 127)
+            s, unit = (exp + 127).to(torch.uint8), torch.exp2(exp)
+        else:  # NVFP4: fp8 scale per 16 times an fp32 global scale
+            gs = w.abs().amax() / (448.0 * 6.0)
+            s = (amax / 6.0 / gs).clamp(max=448.0).to(torch.float8_e4m3fn)
+            unit = s.float() * gs
+        v = (w / unit).view(n, k)
+        codes = (quant_math.pack_e2m1(quant_math.minifloat_codes(v, QDtype.FP4_E2M1).long())
+                 if spec.dtype is QDtype.FP4_E2M1 else v.clamp(-448, 448).to(torch.float8_e4m3fn))
+        parts.append((codes, s.view(n, -1), gs))
+    return tuple(None if parts[0][j] is None else torch.stack([p[j] for p in parts]) for j in range(3)) + (None, None)
+
+
+def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: str, log) -> list[dict]:
+    """The weight-only rows of one shape (OURS_WO, WO_PATHS), rows as :func:`bench_shape`'s; floor: the
+    stored bytes (codes and scales) of the experts the routing touches."""
+    e, h, i, k = shape
+    rows = []
+    if h % 128 or i % 128:  # the weight-only kernels step K by 128
+        why = f"fails: H={h}, I={i}: weight-only rows need multiples of 128"
+        return [dict(shape=name, tokens=t, row=row, us=why, experts_used=0, floor_us=0.0, pct_floor=None)
+                for t in tokens for row in list(OURS_WO) + list(WO_PATHS)]
+    for n, (row, scheme) in enumerate(OURS_WO.items()):
+        spec = parse_scheme_key(scheme)
+        w13, w2 = (wo_expert_weights(spec.weight, e, nn, kk, device, 10 * n + j)
+                   for j, (nn, kk) in enumerate(((2 * i, h), (h, i))))
+        expert_bytes = sum(v.numel() * v.element_size() for ws in (w13, w2) for v in ws if v is not None) / e
+        paths = {row: mw.DEQUANT_ROWS} | (WO_PATHS if n == 0 else {})
+        for t in tokens:
+            g = torch.Generator(device=device).manual_seed(1000 + t)
+            x = torch.randn(t, h, generator=g, device=device).to(torch.bfloat16)
+            ids = torch.rand(t, e, generator=g, device=device).argsort(1)[:, :k].to(torch.int32)
+            weights = torch.softmax(torch.randn(t, k, generator=g, device=device), 1)
+            used = int(ids.unique().numel())
+            for label, dequant_rows in paths.items():
+                if mw.use_triton(x):
+                    fn = functools.partial(mw.wo_moe_triton, x, ids, weights, w13, w2, None, None, "silu", spec, False,
+                                           dequant_rows=dequant_rows)
+                else:  # --dry-run on a CPU: the op's reference
+                    fn = functools.partial(torch.ops.qcompile.wo_moe, x, ids, weights, *w13, *w2, None, None, "silu",
+                                           scheme)
+                us = _time(fn, t, replays, device)
+                floor = used * expert_bytes / (bw * 1e9) * 1e6
+                rows.append(dict(shape=name, tokens=t, row=label, us=us, experts_used=used, floor_us=round(floor, 1),
+                                 pct_floor=round(100 * floor / us, 1) if isinstance(us, float) else None))
+                log(f"{name} T={t} {label}: {us}{' us' if isinstance(us, float) else ''} (floor {floor:.1f} us)")
+        if device == "cuda":
+            del w13, w2
+            torch.cuda.empty_cache()
+    return rows
+
+
 def tune_all(shapes, tokens, log) -> dict:
     """tune() every (shape, T, scheme) of the run; returns this GPU's cached entries of those keys."""
     keys = []
@@ -248,6 +337,8 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for name in shapes:
         rows += bench_shape(name, (SHAPES | TINY)[name], tokens, args.replays, bw, device, log)
+        if args.weight_only:
+            rows += bench_wo_shape(name, (SHAPES | TINY)[name], tokens, args.replays, bw, device, log)
         if device == "cuda":
             torch.cuda.empty_cache()
     result = dict(device=label, bandwidth_gbps=round(bw, 1), rows=rows, tuned=tuned)

@@ -50,3 +50,15 @@ def test_peers_match_the_reference():
     peer = bench.bf16_peer(x, ids, w, layers["peer"]["w13t"], layers["peer"]["w2t"]).float()
     ref = mt.fused_moe_reference(**dict(chan, x=x, topk_ids=ids, topk_weights=w)).float()
     assert float((peer - ref).norm() / ref.norm()) < 0.1
+
+
+def test_bench_moe_weight_only_rows():
+    """--weight-only's rows on a tiny shape (the reference path on the CPU): every format and both forced
+    paths of qcompile::wo_moe time a call; shapes the weight-only kernels cannot take say so."""
+    bench = _load()
+    rows = bench.bench_wo_shape("tiny", (4, 128, 128, 2), [1, 3], 3, 10.0, "cpu", lambda msg: None)
+    assert {r["row"] for r in rows} == set(bench.OURS_WO) | set(bench.WO_PATHS)
+    for r in rows:
+        assert isinstance(r["us"], float) and r["floor_us"] > 0 and 1 <= r["experts_used"] <= 4, r
+    skipped = bench.bench_wo_shape("tiny", bench.TINY["tiny"], [1], 3, 10.0, "cpu", lambda msg: None)
+    assert all(r["us"].startswith("fails: H=256, I=192") for r in skipped)

@@ -14,7 +14,8 @@ math, in fp32, for every token t and each of its k (expert e, weight r):
 
     h   = qdq(x_t) @ dequantize(w13[e]).T + b13[e]          (qdq when the scheme quantizes activations;
                                                           a dynamic per-tensor scale spans the batch)
-    a   = act(h[:I]) * h[I:]   (rounded to the activation dtype, as every fused kernel keeps it)
+    a   = act(h[:I]) * h[I:]   (rounded to the activation dtype, as every fused kernel keeps it;
+                                non-gated activations: act(h), w13 [E, I, K'])
     y_t += r * (qdq(a) @ dequantize(w2[e]).T + b2[e])
 
 or with ``apply_router_weight_on_input`` the weight r scales x_t instead of y. Each projection is
@@ -42,6 +43,7 @@ OP = "qcompile::experts_ref"
 ROLES = ("weight", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_g_idx", "input_scale",
          "input_global_scale")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+NON_GATED = ("silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul")  # act(h): w13 holds I rows
 _SQRT_2_PI = 0.7978845608028654  # sqrt(2 / pi)
 
 
@@ -68,12 +70,24 @@ def _act_parts(name: str, params, gate: torch.Tensor, up: torch.Tensor):
                            fix=f"one of {list(ACTIVATIONS)} (swigluoai:<alpha>:<limit>)")
 
 
+def _plain_parts(name: str, h: torch.Tensor):
+    """(act(h), its derivative) of a non-gated activation, elementwise."""
+    if name == "relu2":
+        r = torch.relu(h)
+        return r * r, 2 * r
+    value, d_gate, _ = _act_parts(name, (), h, torch.ones_like(h))
+    return value, d_gate
+
+
 def gated_activation(h: torch.Tensor, activation: str, grad: torch.Tensor | None = None) -> torch.Tensor:
     """[M, 2I] gate columns then up columns -> [M, I]; with ``grad`` ([M, I], of the result) the gradient
     of h instead. ``silu`` / ``gelu`` / ``gelu_tanh``: act(gate) * up; ``swigluoai:<alpha>:<limit>``
     (gpt-oss): gate clamped above at limit, up to [-limit, limit], ``(up + 1) * gate * sigmoid(alpha *
-    gate)``."""
+    gate)``. The :data:`NON_GATED` ones (``silu_no_mul``, ..., ``relu2_no_mul``: relu(h)^2) take [M, I]."""
     name, *params = activation.split(":")
+    if name in NON_GATED:
+        value, d = _plain_parts(name.removesuffix("_no_mul"), h)
+        return value if grad is None else grad * d
     gate, up = h.chunk(2, dim=-1)
     value, d_gate, d_up = _act_parts(name, params, gate, up)
     return value if grad is None else torch.cat((grad * d_gate, grad * d_up), dim=-1)
@@ -168,9 +182,9 @@ def _check(scheme: str, activation: str) -> None:
     why = reference_supports(parse_scheme_key(scheme))
     if why:
         raise UnsupportedError(why, where=OP)
-    if activation.split(":")[0] not in ACTIVATIONS:
+    if activation.split(":")[0] not in ACTIVATIONS + NON_GATED:
         raise UnsupportedError(f"unknown experts activation {activation!r}", where=OP,
-                               fix=f"one of {list(ACTIVATIONS)}")
+                               fix=f"one of {list(ACTIVATIONS + NON_GATED)}")
 
 
 @torch.library.custom_op(OP, mutates_args=())

@@ -204,6 +204,7 @@ def _load_builtin():
     from . import reference  # noqa: F401  (registers the reference kernel)
     from . import experts_ref  # noqa: F401  (the experts reference kernel)
     from . import moe_triton  # noqa: F401  (the fused MoE kernel)
+    from . import moe_wo  # noqa: F401  (the weight-only MoE kernel)
     from . import fp8  # noqa: F401
     from . import int8  # noqa: F401
     from . import wo_gemm  # noqa: F401

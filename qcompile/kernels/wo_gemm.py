@@ -155,16 +155,17 @@ def m_bucket(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
 
 
-def pick_config(m: int, n: int, k: int, lay: Layout, sms: int) -> dict:
+def pick_config(m: int, n: int, k: int, lay: Layout, sms: int, groups: int = 1) -> dict:
     """Launch configuration for an [m, k] x [n, k] product (``TUNED``: the family's entry for the M
-    bucket or the nearest smaller one, else the int4 one)."""
+    bucket or the nearest smaller one, else the int4 one); ``groups`` such products side by side (MoE
+    experts of m rows each) share the GPU when K is split."""
     b, fam = m_bucket(m), family(lay)
     fams = (fam, "8bit", "int4") if fam == "fp8" else (fam, "int4")
     entry = next(TUNED[(f, bb)] for f in fams for bb in (b, 64, 32, 16) if bb <= b and (f, bb) in TUNED)
     bm, bn, words, warps, stages, waves, prefetch, xperm = entry
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=words * lay.epw, num_warps=warps, num_stages=stages,
                SCALE_PREFETCH=prefetch, X_PERMUTED=xperm)
-    cfg["SPLIT_K"] = auto_split(m, n, k, cfg, sms, waves)
+    cfg["SPLIT_K"] = auto_split(m if groups == 1 else groups * -(-m // bm) * bm, n, k, cfg, sms, waves)
     return cfg
 
 
@@ -184,11 +185,50 @@ def _args(weight, scale, zero_point, g_idx, global_scale, spec: WeightSpec, n: i
     if s.dtype == torch.float8_e4m3fn:
         s = s.view(torch.uint8)
     gran = spec.scale.granularity
-    stride_sn = 0 if gran is Granularity.TENSOR else (1 if gran is Granularity.CHANNEL else s.shape[1])
+    stride_sn = 0 if gran is Granularity.TENSOR else (1 if gran is Granularity.CHANNEL else s.shape[-1])
     z = zero_point.contiguous() if zero_point is not None else None
     g = g_idx.contiguous() if g_idx is not None else None
-    gs = global_scale.reshape(1) if global_scale is not None else None
+    gs = global_scale.reshape(-1) if global_scale is not None else None
     return words, s, z, g, gs, stride_sn
+
+
+def splits(k: int, cfg: dict) -> tuple[int, int]:
+    """(the number of K splits that are not empty, K per split) of a launch configuration."""
+    bk = cfg["BLOCK_K"]
+    k_split = -(-(k // bk) // cfg["SPLIT_K"]) * bk
+    return -(-k // k_split), k_split
+
+
+def launch(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bias, spec: WeightSpec, cfg: dict,
+           dest: torch.Tensor, m: int, grid_m: int, **grouped) -> None:
+    """One launch of ``_wo_gemm_kernel`` writing ``dest`` ([m, N] in x2.dtype, or fp32 partials
+    [split, m, N]). ``grouped``: the kernel's GROUPED arguments (:mod:`moe_wo`); the weight and its
+    tensors are then stacked over experts, and their expert strides are filled in here."""
+    cfg = dict(cfg)
+    k, n = x2.shape[1], weight.shape[-2]
+    lay = layout_of(spec)
+    split, k_split = splits(k, cfg)
+    del cfg["SPLIT_K"]
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    ptx = cfg.pop("PTX_DECODE", True) and x2.is_cuda
+    natural = spec.tiled and quant_math.tiles_natural(spec)
+    if cfg.pop("X_PERMUTED", False) and not natural:  # (natural tiles reorder x in registers)
+        xp = torch.empty_like(x2)
+        _permute_x_kernel[(x2.shape[0], k // cfg["BLOCK_K"])](x2, xp, k, BLOCK_K=cfg["BLOCK_K"], EPW=lay.epw,
+                                                              num_warps=4)
+        x2 = xp
+        cfg["X_PERMUTED"] = True
+    words, s, z, g, gs, stride_sn = _args(weight, scale, zero_point, g_idx, global_scale, spec, n)
+    if grouped:
+        grouped.update(GROUPED=True, stride_we=words.stride(0), stride_se=s.stride(0) if s.dim() else 0,
+                       stride_ge=0 if g is None else g.stride(0), stride_be=0 if bias is None else bias.stride(0))
+    grid = (grid_m, triton.cdiv(n, cfg["BLOCK_N"]), split)
+    _wo_gemm_kernel[grid](
+        x2, words, s, z, g, gs, bias, dest, m, n, k, words.shape[-1], stride_sn, k_split // lay.epw,
+        FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
+        HAS_ZP=z is not None, ACT_ORDER=g is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
+        EMULATE_DOT=not x2.is_cuda, PTX_DECODE=ptx, TILED=spec.tiled, NATURAL=natural, num_warps=warps,
+        num_stages=stages, **cfg, **grouped)
 
 
 def wo_gemm(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bias, spec: WeightSpec,
@@ -197,30 +237,11 @@ def wo_gemm(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bi
     switches to the dequant path above WO_MAX_M). ``config`` overrides :func:`pick_config`."""
     m, k = x2.shape
     n = weight.shape[0]
-    lay = layout_of(spec)
-    cfg = dict(config) if config else pick_config(m, n, k, lay, _sm_count(x2.device))
-    split = cfg.pop("SPLIT_K")
-    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    bk = cfg["BLOCK_K"]
-    k_split = -(-(k // bk) // split) * bk
-    split = -(-k // k_split)
-    ptx = cfg.pop("PTX_DECODE", True) and x2.is_cuda
-    natural = spec.tiled and quant_math.tiles_natural(spec)
-    if cfg.pop("X_PERMUTED", False) and not natural:  # (natural tiles reorder x in registers)
-        xp = torch.empty_like(x2)
-        _permute_x_kernel[(m, k // bk)](x2, xp, k, BLOCK_K=bk, EPW=lay.epw, num_warps=4)
-        x2 = xp
-        cfg["X_PERMUTED"] = True
-    words, s, z, g, gs, stride_sn = _args(weight, scale, zero_point, g_idx, global_scale, spec, n)
+    cfg = dict(config) if config else pick_config(m, n, k, layout_of(spec), _sm_count(x2.device))
+    split, _ = splits(k, cfg)
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
-    _wo_gemm_kernel[grid](
-        x2, words, s, z, g, gs, bias, dest, m, n, k, words.shape[1], stride_sn, k_split // lay.epw,
-        FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
-        HAS_ZP=z is not None, ACT_ORDER=g is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
-        EMULATE_DOT=not x2.is_cuda, PTX_DECODE=ptx, TILED=spec.tiled, NATURAL=natural, num_warps=warps,
-        num_stages=stages, **cfg)
+    launch(x2, weight, scale, global_scale, zero_point, g_idx, bias, spec, cfg, dest, m, triton.cdiv(m, cfg["BLOCK_M"]))
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
@@ -231,21 +252,26 @@ def wo_gemm(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bi
 def dequantize_triton(weight, scale, spec: WeightSpec, global_scale=None, zero_point=None, g_idx=None,
                       k: int | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[N, K] in ``dtype``: quant_math.dequantize_weight(...).to(dtype), in one Triton kernel
-    (the same fp32 operations in the same order; bit-identical on the GPU). K % (16*EPW) == 0."""
+    (the same fp32 operations in the same order; bit-identical on the GPU). K % (16*EPW) == 0.
+    A weight stacked over experts ([E, N, K'], every tensor with that leading E) gives [E, N, K]."""
     lay = layout_of(spec)
-    n = weight.shape[0]
-    k = k or weight.shape[1] * {Packing.NONE: 1, Packing.INT32: 32 // spec.dtype.bits, Packing.UINT8: 2}[spec.packing]
+    n = weight.shape[-2]
+    k = k or weight.shape[-1] * {Packing.NONE: 1, Packing.INT32: 32 // spec.dtype.bits, Packing.UINT8: 2}[spec.packing]
     words, s, z, g, gs, stride_sn = _args(weight, scale, zero_point, g_idx, global_scale, spec, n)
-    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    out = torch.empty((*weight.shape[:-2], n, k), dtype=dtype, device=weight.device)
+    grouped = {}
+    if weight.dim() == 3:
+        grouped = dict(GROUPED=True, stride_we=words.stride(0), stride_se=s.stride(0) if s.dim() else 0,
+                       stride_ge=0 if g is None else g.stride(0))
     cfg = DEQUANT_CONFIG
     block_k, block_n = cfg["BLOCK_WORDS"] * lay.epw, cfg["BLOCK_N"]
     if k % block_k:
         block_k = lay.min_block_k
-    _dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](
-        words, s, z, g, gs, out, n, k, words.shape[1], stride_sn,
+    _dequant_kernel[(triton.cdiv(n, block_n), k // block_k, weight.shape[0] if grouped else 1)](
+        words, s, z, g, gs, out, n, k, words.shape[-1], stride_sn,
         FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
         HAS_ZP=z is not None, ACT_ORDER=g is not None, BLOCK_N=block_n, BLOCK_K=block_k, TILED=spec.tiled,
-        NATURAL=spec.tiled and quant_math.tiles_natural(spec), num_warps=cfg["num_warps"])
+        NATURAL=spec.tiled and quant_math.tiles_natural(spec), num_warps=cfg["num_warps"], **grouped)
     return out
 
 
@@ -266,31 +292,37 @@ _SCALE_DTYPES = {ScaleDtype.FP32: torch.float32, ScaleDtype.FP8_E4M3: torch.floa
                  ScaleDtype.E8M0: torch.uint8}
 
 
-def _validate(x, weight, scale, global_scale, zero_point, g_idx, spec: QuantScheme, scheme: str):
+def validate(k: int, weight, scale, global_scale, zero_point, g_idx, spec: QuantScheme, scheme: str,
+             where: str = OP, lead: tuple = (), prefix: str = ""):
+    """UnsupportedError naming the tensor unless the canonical tensors of an [N, K] weight (``lead``: the
+    leading dims of stacked experts, ``prefix``: their names' prefix) are what the kernels read."""
     why = wo_reason(spec)
     if why:
-        raise UnsupportedError(why, where=OP)
+        raise UnsupportedError(why, where=where)
     w = spec.weight
-    n, k = weight.shape[0], x.shape[-1]
+    n = weight.shape[len(lead)] if weight.dim() > len(lead) else 0
+    lead, ld = tuple(lead), list(lead)
     wdt = _WEIGHT_DTYPES.get(w.packing) or ((torch.int8,) if w.dtype is QDtype.INT8 else (torch.float8_e4m3fn,))
-    want = canonical_shape("weight", spec, n, k)
+    want = lead + canonical_shape("weight", spec, n, k)
     if weight.dtype not in wdt or tuple(weight.shape) != want:
-        raise UnsupportedError(f"weight must be {wdt[0]} {list(want)} for K={k}, got {weight.dtype} "
-                               f"{list(weight.shape)}", where=OP)
-    want = canonical_shape("weight_scale", spec, n, k)
+        raise UnsupportedError(f"{prefix}weight must be {wdt[0]} {list(want)} for K={k}, got {weight.dtype} "
+                               f"{list(weight.shape)}", where=where)
+    want = lead + canonical_shape("weight_scale", spec, n, k)
     if tuple(scale.shape) != want or scale.dtype != _SCALE_DTYPES[w.scale.dtype]:
-        raise UnsupportedError(f"weight_scale must be {_SCALE_DTYPES[w.scale.dtype]} {list(want)}, got "
-                               f"{scale.dtype} {list(scale.shape)}", where=OP,
+        raise UnsupportedError(f"{prefix}weight_scale must be {_SCALE_DTYPES[w.scale.dtype]} {list(want)}, got "
+                               f"{scale.dtype} {list(scale.shape)}", where=where,
                                fix="normalize scales at load (scheme.canonical_shape)")
     for name, t, needed in (("weight_global_scale", global_scale, w.global_scale),
                             ("weight_zero_point", zero_point, w.zero_point),
                             ("weight_g_idx", g_idx, w.act_order or w.k_sorted)):
         if (t is not None) != needed:
-            raise UnsupportedError(f"scheme {scheme} {'needs' if needed else 'has no'} {name}", where=OP)
+            raise UnsupportedError(f"scheme {scheme} {'needs' if needed else 'has no'} {prefix}{name}", where=where)
+    if lead and global_scale is not None and tuple(global_scale.shape) != lead:
+        raise UnsupportedError(f"{prefix}weight_global_scale must be {ld}, got {list(global_scale.shape)}", where=where)
     if zero_point is not None and tuple(zero_point.shape) != tuple(scale.shape):
-        raise UnsupportedError(f"weight_zero_point shape {list(zero_point.shape)} != scale shape", where=OP)
-    if g_idx is not None and tuple(g_idx.shape) != (k,):
-        raise UnsupportedError(f"weight_g_idx must be [{k}], got {list(g_idx.shape)}", where=OP)
+        raise UnsupportedError(f"{prefix}weight_zero_point shape {list(zero_point.shape)} != scale shape", where=where)
+    if g_idx is not None and tuple(g_idx.shape) != lead + (k,):
+        raise UnsupportedError(f"{prefix}weight_g_idx must be {ld + [k]}, got {list(g_idx.shape)}", where=where)
 
 
 def _dequant(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec):
@@ -389,7 +421,7 @@ def wo_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
               weight_global_scale: torch.Tensor | None, weight_zero_point: torch.Tensor | None,
               weight_g_idx: torch.Tensor | None, bias: torch.Tensor | None, scheme: str, backend: str) -> torch.Tensor:
     spec = parse_scheme_key(scheme)
-    _validate(x, weight, weight_scale, weight_global_scale, weight_zero_point, weight_g_idx, spec, scheme)
+    validate(x.shape[-1], weight, weight_scale, weight_global_scale, weight_zero_point, weight_g_idx, spec, scheme)
     impl = _IMPLS.get(backend)
     if impl is None:
         raise UnsupportedError(f"unknown wo_linear backend {backend!r}", where=OP, fix=f"use one of {BACKENDS}")

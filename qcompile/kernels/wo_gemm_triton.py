@@ -218,13 +218,41 @@ if HAS_TRITON:
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EMULATE_DOT: tl.constexpr = False, PTX_DECODE: tl.constexpr = False,
                         SCALE_PREFETCH: tl.constexpr = True, X_PERMUTED: tl.constexpr = False,
-                        TILED: tl.constexpr = False, NATURAL: tl.constexpr = False):
+                        TILED: tl.constexpr = False, NATURAL: tl.constexpr = False,
+                        GROUPED: tl.constexpr = False, ROUTE: tl.constexpr = False, ids_ptr=None,
+                        experts_ptr=None, route_ptr=None, A_DIV=1, stride_we=0, stride_se=0, stride_ge=0,
+                        stride_be=0):
         # grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K): the M tiles of one weight tile run
         # side by side (their second reads hit L2). x [M, K] contiguous; out [M, N], or fp32
         # partials [SPLIT_K, M, N] when PARTIAL.
+        # GROUPED (MoE experts, weights and their tensors stacked over experts): grid (row blocks of
+        # moe_kernels.moe_align, ...); block pid_m is expert experts_ptr[pid_m] (-1: nothing to do) and
+        # pairs ids_ptr[pid_m*BLOCK_M ...] (M = the number of pairs marks padding), x row pair // A_DIV.
+        # out is fp32 [SPLIT_K, M, N] by pair: bias[expert] added by split 0, times route[pair] (ROUTE).
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
+        if GROUPED:
+            expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+            if expert < 0:
+                return
+            out_m = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+            m_ok = out_m < M
+            offs_m = tl.where(m_ok, out_m // A_DIV, 0)  # the x rows
+            w_ptr += expert * stride_we
+            s_ptr += expert * stride_se
+            if HAS_ZP:
+                z_ptr += expert * stride_se
+            if ACT_ORDER:
+                g_ptr += expert * stride_ge
+            if HAS_GS:
+                gs_ptr += expert
+            if HAS_BIAS:
+                bias_ptr += expert * stride_be
+        else:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < M
+            out_m = offs_m
         BKW: tl.constexpr = BLOCK_K // EPW
         BITS: tl.constexpr = 32 // EPW
         # scale once per K step on the [BLOCK_N, BLOCK_M] dot result when one group spans the step
@@ -235,10 +263,8 @@ if HAS_TRITON:
         FAST: tl.constexpr = FAST_INT4 or FAST_E2M1
         # tiled 4-bit words hold element j at nibble j // 2 + 4 (j % 2) (quant_math.tile_words)
         PAIRS: tl.constexpr = TILED and EPW == 8
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_i = tl.arange(0, BKW)
-        m_ok = offs_m < M
         rows = tl.where(offs_n < N, offs_n, 0)  # clamp, so weight loads stay unmasked 16-byte loads
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T: the weight tile is the MMA's M side
         # iterate over words, not k: the word offset's divisibility (k_split_words % 16 == 0) is what
@@ -304,11 +330,18 @@ if HAS_TRITON:
                 acc += part * s
         res = acc  # [BN, BM]
         n2 = offs_n[:, None]
-        m2 = offs_m[None, :]
+        m2 = out_m[None, :]
         if HAS_GS:
             res = res * tl.load(gs_ptr).to(tl.float32)
         mask = (n2 < N) & (m2 < M)
-        if PARTIAL:
+        if GROUPED:
+            if HAS_BIAS:
+                first = (pid_k == 0).to(tl.float32)
+                res = res + tl.load(bias_ptr + n2, mask=n2 < N, other=0.0).to(tl.float32) * first
+            if ROUTE:
+                res = res * tl.load(route_ptr + m2, mask=m2 < M, other=0.0).to(tl.float32)
+            tl.store(out_ptr + (pid_k * M + m2).to(tl.int64) * N + n2, res, mask=mask)
+        elif PARTIAL:
             tl.store(out_ptr + pid_k * M * N + m2 * N + n2, res, mask=mask)
         else:
             if HAS_BIAS:
@@ -332,8 +365,21 @@ if HAS_TRITON:
                         FMT: tl.constexpr, EPW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
                         HAS_GS: tl.constexpr, HAS_ZP: tl.constexpr, ACT_ORDER: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr = False,
-                        NATURAL: tl.constexpr = False):
-        # grid (cdiv(N, BLOCK_N), K / BLOCK_K): out[n, k] = ((q - z) * s) * g, the order of quant_math
+                        NATURAL: tl.constexpr = False, GROUPED: tl.constexpr = False, stride_we=0, stride_se=0,
+                        stride_ge=0):
+        # grid (cdiv(N, BLOCK_N), K / BLOCK_K): out[n, k] = ((q - z) * s) * g, the order of quant_math.
+        # GROUPED: grid (..., E), every tensor stacked over experts (out [E, N, K])
+        if GROUPED:
+            e = tl.program_id(2).to(tl.int64)
+            w_ptr += e * stride_we
+            s_ptr += e * stride_se
+            out_ptr += e * N * K
+            if HAS_ZP:
+                z_ptr += e * stride_se
+            if ACT_ORDER:
+                g_ptr += e * stride_ge
+            if HAS_GS:
+                gs_ptr += e
         BKW: tl.constexpr = BLOCK_K // EPW
         BITS: tl.constexpr = 32 // EPW
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -23,6 +23,7 @@ from ..formats import QuantConfig
 from ..kernels.experts_ref import ROLES
 from ..kernels.registry import KernelQuery, cuda_capability
 from ..scheme import parse_scheme_key
+from .linear import _warn_weight_only, _weight_only
 from .lowering import ExplainRow, bind, example, lower_node, module_of, op_of, source_name
 
 REFERENCE = "qcompile::experts_ref"
@@ -53,7 +54,11 @@ def lower_experts(gm: fx.GraphModule, example_inputs=None, kernels=None, online:
         if node.op == "call_function" and node.target in (ref_op, ref_op.overloadpacket):
             args = bind(node, ref_op)
             module = node.meta.get(MODULE) or module_of(args["w13_weight"])
-            row, _ = lower_node(gm.graph, node, args, experts_query(args), module, kernels, REFERENCE)
+            query = experts_query(args)
+            row, sel = lower_node(gm.graph, node, args, query, module, kernels, REFERENCE)
+            if query.scheme.act is not None and _weight_only(sel.kernel.op):
+                row.reason = "; ".join(filter(None, [row.reason, "activations not quantized (weight-only kernel)"]))
+                _warn_weight_only(query, sel.kernel.name)
             rows.append(row)
     gm.graph.lint()
     gm.recompile()

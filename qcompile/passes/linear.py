@@ -42,9 +42,9 @@ def _query(scheme_key: str, x, weight_shape) -> KernelQuery:
 
 
 def _weight_only(op_name: str) -> bool:
-    """A kernel op without activation-scale arguments runs the matmul on unquantized activations."""
-    args = {a.name for a in op_of(op_name)._schema.arguments}
-    return not args & {"input_scale", "input_global_scale"}
+    """A kernel op without activation-scale arguments (``input_scale``, ``w13_input_scale``, ...) runs the
+    matmul on unquantized activations."""
+    return not any(a.name.endswith(("input_scale", "input_global_scale")) for a in op_of(op_name)._schema.arguments)
 
 
 _WARNED: set[str] = set()

@@ -177,6 +177,17 @@ def test_swigluoai_is_gpt_oss_gate():
     torch.testing.assert_close(silu, F.silu(h[:, :I]) * h[:, I:])
 
 
+@pytest.mark.parametrize("name,fn", [("silu_no_mul", F.silu), ("gelu_no_mul", F.gelu),
+                                     ("gelu_tanh_no_mul", lambda v: F.gelu(v, approximate="tanh")),
+                                     ("relu2_no_mul", lambda v: torch.relu(v) ** 2)])
+def test_non_gated_activations(name, fn):
+    """act(h) on every column (w13 holds I rows, no up half), and its gradient, against torch's own."""
+    h = (torch.randn(5, 2 * I, dtype=torch.float64) * 3).requires_grad_()
+    grad = torch.randn(5, 2 * I, dtype=torch.float64)
+    torch.testing.assert_close(gated_activation(h.detach(), name), fn(h.detach()))
+    torch.testing.assert_close(gated_activation(h.detach(), name, grad), torch.autograd.grad(fn(h), h, grad)[0])
+
+
 def test_refuses_unknown_activation_and_unrunnable_scheme():
     scheme = INT4_G32
     case = make(scheme)

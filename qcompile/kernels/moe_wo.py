@@ -1,0 +1,304 @@
+"""``qcompile::wo_moe``: a layer of routed MoE experts with weight-only quantized weights, in Triton.
+
+The weight-only formats of ``qcompile::wo_linear`` (int4 / int8 per tensor, channel or group, with zero
+points or act-order ``g_idx``; NVFP4, MXFP4, MXFP8; NVFP4 / MX-activation schemes run weight-only on
+GPUs without their GEMM, as dense linears do), stacked over experts as a ``QuantExperts`` holds them.
+Arguments: those of ``qcompile::experts_ref`` (:mod:`experts_ref`) without the activation scales, plus
+``backend``; the math is experts_ref's with the scheme's activation quantization dropped:
+
+    h   = x_t @ dequantize(w13[e]).T + b13[e]            fp32
+    a   = act(h)  (gated: act(h[:I]) * h[I:])           rounded to x.dtype
+    y_t += r * (a @ dequantize(w2[e]).T + b2[e])         (apply_router_weight_on_input: r scales x_t)
+
+``backend="triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), every size a function of T, k and E
+(no host sync: CUDA-graph capturable):
+
+1. ``moe_align`` (:mod:`moe_kernels`): the T·k (token, expert) pairs grouped per expert in blocks of
+   BLOCK_M rows; pairs whose expert id is outside [0, E) are left out.
+2. GEMM 1: ``_wo_gemm_kernel`` in its GROUPED mode (:mod:`wo_gemm_triton`; each row block multiplies
+   its expert's weights, decoded in registers, by the x rows of its pairs): fp32 h [split, T·k, N1],
+   the bias added by the first K split; the splits summed.
+3. The activation (:func:`experts_ref.gated_activation`, torch ops) in fp32, rounded to x.dtype.
+4. GEMM 2: the same kernel on w2, bias and router weight in its epilogue: fp32 [split, T·k, H].
+5. ``_moe_sum_kernel``: each token's k pairs and the K splits summed in a fixed order (no atomics,
+   deterministic), one rounding to x.dtype.
+
+Launch configurations: the dense kernel's table (``wo_gemm.pick_config``) for the expected rows per
+active expert, K split over the active experts' tiles. ``backend="reference"`` (any device): the
+math above by :func:`experts_ref.reference_experts`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedError
+from ..scheme import QuantScheme, parse_scheme_key
+from .experts_ref import ACTIVATIONS, NON_GATED, gated_activation, reference_experts
+from .fp8_quant_triton import HAS_TRITON, use_triton
+from .moe_kernels import moe_align
+from .registry import HALF, Kernel, KernelQuery, cuda_reason, register
+from .wo_gemm import (_sm_count, dequantize_triton, launch, layout_of, pick_config, splits, triton_shape_reason,
+                      validate, wo_reason)
+
+if HAS_TRITON:
+    import triton
+
+    from .moe_kernels import _moe_sum_kernel
+
+OP = "qcompile::wo_moe"
+BACKENDS = ("reference", "triton")
+# Rows per active expert above which every expert is dequantized once and torch._grouped_mm (cuBLAS-class
+# bf16 GEMMs) runs the layer: the dense op's switch (wo_gemm.WO_MAX_M of int4 / int8).
+DEQUANT_ROWS = 128
+PROJECTIONS = ("gate/up projection w13", "down projection w2")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _is_gated(activation: str) -> bool:
+    name = activation.split(":")[0]
+    if name not in ACTIVATIONS + NON_GATED:
+        raise UnsupportedError(f"unknown experts activation {activation!r}", where=OP,
+                               fix=f"one of {list(ACTIVATIONS + NON_GATED)} (swigluoai:<alpha>:<limit>)")
+    return name in ACTIVATIONS
+
+
+def _check_inputs(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, spec: QuantScheme,
+                  scheme: str) -> tuple[int, int, int]:
+    """(E, I, k) after checking every tensor; UnsupportedError naming the tensor otherwise."""
+    h = x.shape[-1]
+    if not x.dtype.is_floating_point:
+        raise UnsupportedError(f"hidden_states must be floating point, got {x.dtype}", where=OP)
+    if ids.dtype not in (torch.int32, torch.int64) or ids.shape[:-1] != x.shape[:-1] or ids.dim() == 0:
+        raise UnsupportedError(f"top_k_index must be int32/int64 [{', '.join(map(str, x.shape[:-1]))}, k], got "
+                               f"{ids.dtype} {list(ids.shape)}", where=OP)
+    if weights.shape != ids.shape or not weights.dtype.is_floating_point:
+        raise UnsupportedError(f"top_k_weights must be float {list(ids.shape)}, got {weights.dtype} "
+                               f"{list(weights.shape)}", where=OP)
+    if w13[0].dim() != 3 or w2[0].dim() != 3:
+        raise UnsupportedError(f"w13_weight and w2_weight must be stacked over experts [E, N, K'], got "
+                               f"{list(w13[0].shape)} and {list(w2[0].shape)}", where=OP)
+    e, n1 = w13[0].shape[:2]
+    gated = _is_gated(activation)
+    if n1 % 2 and gated:
+        raise UnsupportedError(f"w13_weight has {n1} rows: a gated activation ({activation}) needs gate rows "
+                               "then up rows, 2I in all", where=OP)
+    i = n1 // 2 if gated else n1
+    validate(h, *w13, spec, scheme, where=OP, lead=(e,), prefix="w13_")
+    if w2[0].shape[:2] != (e, h):
+        raise UnsupportedError(f"w2_weight must be [E={e}, H={h}, ...], got {list(w2[0].shape)}", where=OP)
+    validate(i, *w2, spec, scheme, where=OP, lead=(e,), prefix="w2_")
+    for name, b, n in (("w13_bias", b13, n1), ("w2_bias", b2, h)):
+        if b is not None and (tuple(b.shape) != (e, n) or not b.dtype.is_floating_point):
+            raise UnsupportedError(f"{name} must be a float [{e}, {n}] bias, got {b.dtype} {list(b.shape)}", where=OP)
+    return e, i, ids.shape[-1]
+
+
+# -- the Triton pipeline ---------------------------------------------------------------------------
+
+def grouped_config(pairs: int, experts: int, n: int, k: int, spec, device) -> dict:
+    """Launch configuration of one grouped GEMM: the dense table's entry for the rows each active expert
+    gets when the pairs spread evenly, K split over the active experts' tiles (one BLOCK_M per T, k, E)."""
+    active = min(experts, pairs)
+    rows = -(-pairs // active)
+    return pick_config(rows, n, k, layout_of(spec), _sm_count(device), groups=active)
+
+
+def _grouped_gemm(a, a_div: int, tensors: tuple, bias, route, spec, cfg: dict, align, pairs: int) -> torch.Tensor:
+    """fp32 [split, pairs, N]: per routed pair p of expert e (``align``: moe_align's blocks),
+    a[p // a_div] @ dequantize(w[e]).T (+ bias[e] in the first split) (x route[p])."""
+    weight = tensors[0]
+    out = torch.empty((splits(a.shape[1], cfg)[0], pairs, weight.shape[1]), dtype=torch.float32, device=a.device)
+    sorted_ids, block_expert = align
+    launch(a, *tensors, bias, spec, cfg, out, pairs, block_expert.numel(), ids_ptr=sorted_ids,
+           experts_ptr=block_expert, route_ptr=route, A_DIV=a_div, ROUTE=route is not None)
+    return out
+
+
+def dequantizes(x: torch.Tensor, pairs: int, experts: int, rows: int = DEQUANT_ROWS) -> bool:
+    """Whether :func:`wo_moe_triton` dequantizes every expert and runs ``torch._grouped_mm`` (bf16 x on
+    sm_90 / sm_100, or the CPU under the interpreter): when the pairs, spread evenly, give each active
+    expert more than ``rows`` rows. T, k and E decide: no host sync."""
+    if x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
+        return False
+    return -(-pairs // min(experts, pairs)) > rows
+
+
+def wo_moe_triton(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, spec, on_input: bool,
+                  configs: tuple[dict, dict] | None = None, dequant_rows: int = DEQUANT_ROWS):
+    """x [T, H], ids / weights [T, k]; w13 / w2 the five weight tensors of each projection in
+    :data:`experts_ref.ROLES` order. The module doc's pipeline; ``configs`` (of GEMM 1, GEMM 2, one
+    BLOCK_M) overrides :func:`grouped_config`; ``dequant_rows``: see :func:`dequantizes`."""
+    t, h = x.shape
+    k, e = ids.shape[1], w13[0].shape[0]
+    pairs = t * k
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if pairs == 0:
+        return out.zero_()
+    n1 = w13[0].shape[1]
+    i = n1 // 2 if _is_gated(activation) else n1
+    flat_ids = ids.reshape(-1).contiguous()
+    route = weights.reshape(-1).contiguous()
+    x = x.contiguous()
+    if on_input:  # each pair's copy of x scaled by its weight, rounded to x.dtype (experts_ref's order)
+        x, a_div, route = (x.float().repeat_interleave(k, 0) * route.float()[:, None]).to(x.dtype), 1, None
+    else:
+        a_div = k
+    if configs is None and dequantizes(x, pairs, e, dequant_rows):
+        y = _dequantized_experts(x, a_div, flat_ids, route, w13, w2, b13, b2, activation, spec, i)
+    else:
+        cfg1, cfg2 = configs or (grouped_config(pairs, e, n1, h, spec.weight, x.device),
+                                 grouped_config(pairs, e, h, i, spec.weight, x.device))
+        align = moe_align(flat_ids, e, cfg1["BLOCK_M"])
+        hid = _grouped_gemm(x, a_div, w13, b13, None, spec.weight, cfg1, align, pairs)
+        hid = hid[0] if hid.shape[0] == 1 else hid.sum(0)
+        act = gated_activation(hid, activation).to(x.dtype)
+        y = _grouped_gemm(act, 1, w2, b2, route, spec.weight, cfg2, align, pairs)
+    block_h = min(_pow2(h), 512)
+    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, flat_ids, out, h, e, y.stride(0), TOPK=k, SPLIT=y.shape[0],
+                                                  CHECK_IDS=True, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def _dequantized_experts(x, a_div: int, flat_ids, route, w13: tuple, w2: tuple, b13, b2, activation: str, spec,
+                        i: int) -> torch.Tensor:
+    """The large-T path: every expert dequantized to bf16 (the Triton dequantize kernel), the pairs
+    sorted by expert (no host sync), two ``torch._grouped_mm``; fp32 y [1, T·k, H] by pair, pairs of
+    experts outside [0, E) left undefined (the top-k sum skips them)."""
+    e, h = w13[0].shape[0], x.shape[1]
+    valid = (flat_ids >= 0) & (flat_ids < e)
+    expert = torch.where(valid, flat_ids, e)
+    order = expert.argsort(stable=True)
+    sorted_expert = expert[order]
+    ends = torch.searchsorted(sorted_expert, torch.arange(e, device=x.device, dtype=sorted_expert.dtype), right=True)
+    ends, sorted_expert = ends.to(torch.int32), sorted_expert.clamp(max=e - 1)
+
+    def gemm(a, tensors, k, bias):
+        w = dequantize_triton(*tensors[:2], spec.weight, tensors[2], tensors[3], tensors[4], k, torch.bfloat16)
+        y = torch._grouped_mm(a, w.transpose(1, 2), offs=ends).float()
+        return y if bias is None else y + bias[sorted_expert].float()
+
+    hid = gemm(x[order // a_div], w13, h, b13)
+    y = gemm(gated_activation(hid, activation).to(x.dtype), w2, i, b2)
+    if route is not None:
+        y = y * route[order].float()[:, None]
+    return torch.empty_like(y).index_copy_(0, order, y).unsqueeze(0)
+
+
+def _weight_only_key(spec: QuantScheme) -> str:
+    return QuantScheme(spec.weight).key
+
+
+# -- the op ----------------------------------------------------------------------------------------
+
+@torch.library.custom_op(OP, mutates_args=())
+def wo_moe(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    w13_weight: torch.Tensor,
+    w13_weight_scale: torch.Tensor,
+    w13_weight_global_scale: torch.Tensor | None,
+    w13_weight_zero_point: torch.Tensor | None,
+    w13_weight_g_idx: torch.Tensor | None,
+    w2_weight: torch.Tensor,
+    w2_weight_scale: torch.Tensor,
+    w2_weight_global_scale: torch.Tensor | None,
+    w2_weight_zero_point: torch.Tensor | None,
+    w2_weight_g_idx: torch.Tensor | None,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    scheme: str,
+    apply_router_weight_on_input: bool = False,
+    backend: str = "reference",
+) -> torch.Tensor:
+    """The experts layer of ``qcompile::experts_ref`` for weight-only schemes (module doc).
+    ``backend``: "reference" (any device) or "triton" (CUDA, or CPU under the interpreter)."""
+    if backend not in BACKENDS:
+        raise UnsupportedError(f"unknown wo_moe backend {backend!r}", where=OP, fix=f"use one of {BACKENDS}")
+    spec = parse_scheme_key(scheme)
+    x = hidden_states
+    w13 = (w13_weight, w13_weight_scale, w13_weight_global_scale, w13_weight_zero_point, w13_weight_g_idx)
+    w2 = (w2_weight, w2_weight_scale, w2_weight_global_scale, w2_weight_zero_point, w2_weight_g_idx)
+    e, i, k = _check_inputs(x, top_k_index, top_k_weights, w13, w2, w13_bias, w2_bias, activation, spec, scheme)
+    lead, h = x.shape[:-1], x.shape[-1]
+    x2, ids, weights = x.reshape(-1, h), top_k_index.reshape(-1, k), top_k_weights.reshape(-1, k)
+    if backend == "reference":
+        out = reference_experts(x2, ids, weights, w13 + (None, None), w2 + (None, None), w13_bias, w2_bias,
+                                activation, _weight_only_key(spec), apply_router_weight_on_input)
+        return out.to(x.dtype).reshape(*lead, h)
+    if not use_triton(x):
+        raise UnsupportedError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {x.device}",
+                               where=OP, fix="use backend='reference'")
+    if x.dtype not in HALF:
+        raise UnsupportedError(f"backend 'triton' needs bf16 or fp16 hidden_states, got {x.dtype}", where=OP,
+                               fix="use backend='reference'")
+    for what, n, kk in zip(PROJECTIONS, (w13_weight.shape[1], h), (h, i)):
+        why = triton_shape_reason(spec.weight, n, kk)
+        if why:
+            raise UnsupportedError(f"backend 'triton': {what}: {why}", where=OP, fix="use backend='reference'")
+    out = wo_moe_triton(x2, ids, weights, w13, w2, w13_bias, w2_bias, activation, spec, apply_router_weight_on_input)
+    return out.reshape(*lead, h)
+
+
+@wo_moe.register_fake
+def _(hidden_states, top_k_index, top_k_weights, *rest, **kwargs):
+    return torch.empty_like(hidden_states)
+
+
+# -- autograd: experts_ref's straight-through gradient ----------------------------------------------
+
+N_TENSORS = 3 + 2 * 5 + 2  # hidden_states, index, weights; w13_*, w2_*; the two biases
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:N_TENSORS])
+    activation, scheme, *rest = inputs[N_TENSORS:]
+    ctx.activation, ctx.scheme, ctx.on_input = activation, scheme, bool(rest[0]) if rest else False
+
+
+def _backward(ctx, grad):
+    grads = [None] * (N_TENSORS + 4)
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
+        x, ids, weights, *t, b13, b2 = ctx.saved_tensors
+        no_act = (None, None)  # experts_ref's activation scales: none, weight-only
+        gx, gr = torch.ops.qcompile.experts_ref_backward(
+            grad, x, ids, weights, *t[:5], *no_act, *t[5:], *no_act, b13, b2, ctx.activation,
+            _weight_only_key(parse_scheme_key(ctx.scheme)), ctx.on_input)
+        grads[0] = gx if ctx.needs_input_grad[0] else None
+        grads[2] = gr if ctx.needs_input_grad[2] else None
+    return tuple(grads)
+
+
+torch.library.register_autograd(OP, _backward, setup_context=_setup_context)
+
+
+# -- registry --------------------------------------------------------------------------------------
+
+def check(q: KernelQuery) -> str | None:
+    """None when the Triton kernel runs the experts query ``q``, else why not."""
+    name = q.activation.split(":")[0]
+    if name not in ACTIVATIONS + NON_GATED:
+        return f"activation {q.activation!r} is not one of {list(ACTIVATIONS + NON_GATED)}"
+    why = cuda_reason(q, (8, 0))
+    if why:
+        return why
+    i = q.n // 2 if name in ACTIVATIONS else q.n
+    for what, n, k in zip(PROJECTIONS, (q.n, q.k), (q.k, i)):
+        why = triton_shape_reason(q.scheme.weight, n, k)
+        if why:
+            return f"{what}: {why}"
+    return None
+
+
+WO_MOE = register(Kernel(
+    name="wo_moe", op=OP, backend="triton", priority=28, check=check, requires=("triton",), act_dtypes=HALF,
+    computes=wo_reason, kind="experts",
+    description="Triton grouped weight-only MoE: GPU token sort, the weight-only GEMM per expert block, top-k sum",
+))

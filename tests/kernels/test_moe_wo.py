@@ -1,0 +1,548 @@
+"""qcompile::wo_moe: the op contract against experts_ref, its gradient, input checks, kernel selection
+(capability mocked), the Triton pipeline under the interpreter (subprocess), sm_90 compiles, GPU checks.
+
+Expert weights are fresh random matrices quantized per expert by test_wo_gemm's round-to-nearest
+quantizers and stacked as QuantExperts holds them. The oracle is experts_ref's fp32 math
+(:func:`reference_experts`) on the weight-only scheme.
+
+Tolerance of the Triton pipeline under the interpreter (``compare``), per output ``|out - ref| <= u
+(|ref| + rms(ref))`` and normwise: bf16 u = 2^-5, 2e-2; fp16 u = 2^-9, 1e-3. The interpreter truncates
+fp32 -> bf16 / fp16 (weights scaled before the dot, the activation, the output), a bias of the same sign
+for every product: int4 groups below 128 (scaled before the dot) measured 1.3e-2 normwise in bf16
+(per output 0.66 u), every other bf16 case about 3.5e-3, fp16 2e-4. The error: each weight scaled before
+the dot rounded to x.dtype, each element of the activation rounded where the reference rounds a slightly
+different h, one rounding of the output, two GEMMs in a row. A wrong expert, scale, zero point, bias or
+weight errs by O(1) on its token's row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+import qcompile
+from qcompile.errors import UnsupportedError
+from qcompile.kernels import moe_wo as mw
+from qcompile.kernels import registry
+from qcompile.kernels.experts_ref import reference_experts
+from qcompile.kernels.registry import KernelQuery
+from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, Granularity, Packing, QDtype,
+                             QuantScheme, fp8_scheme, mx_act)
+from tests.kernels.test_wo_gemm import SPECS, _int, rtn_quantize
+from tests.opcheck_util import opcheck
+
+REPO = Path(__file__).resolve().parents[2]
+
+FORMATS = {  # every weight-only format a MoE producer writes, and the variants the kernel decodes
+    "int4_g128": SPECS["int4_g128"],  # compressed-tensors W4A16 (llm-compressor GPTQ)
+    "int4_g32": SPECS["int4_g32"],
+    "int4_channel": SPECS["int4_channel"],
+    "int4_g128_zp": SPECS["int4_g128_zp"],  # asymmetric
+    "int4_channel_zp": _int(QDtype.INT4, Granularity.CHANNEL, zero_point=True),
+    "int4_g32_actorder": SPECS["int4_g32_actorder"],  # a g_idx per expert
+    "int8_g128": _int(QDtype.INT8, Granularity.GROUP, 128),  # W8A16 (pack-quantized int32)
+    "int8_channel": _int(QDtype.INT8, Granularity.CHANNEL, packing=Packing.NONE),
+    "int8_tensor_zp": SPECS["int8_tensor_zp"],
+    "nvfp4": NVFP4_WEIGHT,  # NVFP4A16, ModelOpt NVFP4 / W4A16_NVFP4, NVFP4 W4A4 run weight-only
+    "mxfp4": MXFP4_WEIGHT,  # Quark w_mxfp4
+    "mxfp8": MXFP8_WEIGHT,  # ModelOpt MXFP8
+}
+W_ROLES = ("weight", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_g_idx")
+TENSORS = ("hidden_states", "top_k_index", "top_k_weights", *(f"w13_{r}" for r in W_ROLES),
+           *(f"w2_{r}" for r in W_ROLES), "w13_bias", "w2_bias")
+
+
+def _stacked(spec, e: int, n: int, k: int, g: torch.Generator, seed: int) -> dict:
+    """One projection's tensors for E experts, each RTN-quantized from its own random [n, k] weight."""
+    per = []
+    for j in range(e):
+        w = torch.randn(n, k, generator=g) * (0.5 + torch.rand(n, 1, generator=g)) / k**0.5
+        w[:, :: max(1, k // 5)] *= 4  # a few large columns: groups differ
+        per.append(rtn_quantize(spec, w, seed * 101 + j))
+    return {r: None if per[0][r] is None else torch.stack([p[r] for p in per]) for r in W_ROLES}
+
+
+def make_moe(fmt: str, t=3, k=2, e=4, h=128, i=128, activation="silu", dtype=torch.bfloat16, bias=False, seed=0,
+             foreign=False, scheme=None) -> dict:
+    """The op's arguments by name (``scheme``: another key for the same weights, e.g. W4A4)."""
+    g = torch.Generator().manual_seed(seed)
+    spec = FORMATS[fmt]
+    n1 = i if activation.endswith("_no_mul") else 2 * i
+    args = {f"w13_{r}": v for r, v in _stacked(spec, e, n1, h, g, seed).items()}
+    args.update({f"w2_{r}": v for r, v in _stacked(spec, e, h, i, g, seed + 1).items()})
+    ids = torch.rand(t, e, generator=g).argsort(1)[:, :k]
+    if foreign:  # pairs of another rank's experts: contribute nothing
+        ids[0, -1] = -1
+        ids[-1, 0] = e
+    args.update(hidden_states=(torch.randn(t, h, generator=g) * (1 + torch.rand(t, 1, generator=g))).to(dtype),
+                top_k_index=ids, top_k_weights=torch.rand(t, k, generator=g),
+                w13_bias=(torch.randn(e, n1, generator=g) * 0.5).to(dtype) if bias else None,
+                w2_bias=(torch.randn(e, h, generator=g) * 0.5).to(dtype) if bias else None,
+                activation=activation, scheme=scheme or QuantScheme(spec).key)
+    return args
+
+
+def op_call(args: dict, backend: str, on_input: bool = False) -> list:
+    return [args[n] for n in TENSORS] + [args["activation"], args["scheme"], on_input, backend]
+
+
+def reference(args: dict, on_input: bool = False) -> torch.Tensor:
+    """experts_ref's fp32 math on the weight-only scheme."""
+    key = QuantScheme(mw.parse_scheme_key(args["scheme"]).weight).key
+    w = [tuple(args[f"{p}_{r}"] for r in W_ROLES) + (None, None) for p in ("w13", "w2")]
+    return reference_experts(args["hidden_states"], args["top_k_index"], args["top_k_weights"], *w, args["w13_bias"],
+                             args["w2_bias"], args["activation"], key, on_input)
+
+
+UNIT = {torch.bfloat16: 2.0**-5, torch.float16: 2.0**-9}  # the interpreter's per-output bound (module doc)
+NORMWISE = {torch.bfloat16: 2e-2, torch.float16: 1e-3}
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Worst |out - ref| / (UNIT (|ref| + rms(ref))) and the normwise relative error over NORMWISE: both
+    at most 1 within the bound."""
+    ref, err = ref.double(), (out.double() - ref.double()).abs()
+    rms = ref.pow(2).mean().sqrt()
+    return {"worst": float((err / (UNIT[out.dtype] * (ref.abs() + rms))).max()),
+            "rel": float(err.norm() / ref.norm()) / NORMWISE[out.dtype]}
+
+
+# -- the op contract (CPU, reference backend) ---------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["int4_g32_actorder", "nvfp4", "mxfp8", "int8_tensor_zp"])
+def test_reference_backend_is_experts_ref(fmt):
+    """The reference backend is experts_ref's math with the scheme's activation quantization dropped (as a
+    weight-only kernel computes it): bit for bit, with leading dims kept; and for NVFP4 W4A4 the same as
+    NVFP4A16."""
+    args = make_moe(fmt, t=6, bias=True, seed=1)
+    x = args["hidden_states"]
+    for on_input in (False, True):
+        out = torch.ops.qcompile.wo_moe(*op_call(args, "reference", on_input))
+        assert out.dtype == x.dtype and torch.equal(out, reference(args, on_input).to(x.dtype))
+    lead = dict(args, hidden_states=x.reshape(2, 3, -1), top_k_index=args["top_k_index"].reshape(2, 3, -1),
+                top_k_weights=args["top_k_weights"].reshape(2, 3, -1))
+    assert torch.equal(torch.ops.qcompile.wo_moe(*op_call(lead, "reference")).reshape(6, -1),
+                       torch.ops.qcompile.wo_moe(*op_call(args, "reference")))
+    if fmt == "nvfp4":
+        w4a4 = dict(args, scheme=QuantScheme(NVFP4_WEIGHT, NVFP4_ACT).key)
+        assert torch.equal(torch.ops.qcompile.wo_moe(*op_call(w4a4, "reference")),
+                           torch.ops.qcompile.wo_moe(*op_call(args, "reference")))
+
+
+@pytest.mark.parametrize("fmt,activation", [("int4_g128_zp", "silu"), ("nvfp4", "swigluoai:1.702:7.0"),
+                                            ("mxfp8", "gelu_tanh"), ("int4_g32_actorder", "relu2_no_mul")])
+def test_opcheck(fmt, activation):
+    args = make_moe(fmt, t=3, bias=True, activation=activation)
+    args["hidden_states"].requires_grad_()
+    args["top_k_weights"].requires_grad_()
+    opcheck(torch.ops.qcompile.wo_moe.default, op_call(args, "reference"))
+    opcheck(torch.ops.qcompile.wo_moe.default, op_call(args, "reference", on_input=True))
+
+
+@pytest.mark.parametrize("activation", ["silu", "swigluoai:1.702:7.0", "gelu_no_mul"])
+@pytest.mark.parametrize("on_input", [False, True])
+def test_gradient_is_experts_refs(activation, on_input):
+    """x and the routing weights get experts_ref's straight-through gradient of the weight-only scheme."""
+    args = make_moe("int4_g32", t=5, bias=True, activation=activation, dtype=torch.float32, seed=2)
+    x, r = args["hidden_states"].requires_grad_(), args["top_k_weights"].requires_grad_()
+    grad = torch.randn(5, 128)
+    got = torch.autograd.grad(torch.ops.qcompile.wo_moe(*op_call(args, "reference", on_input)), (x, r), grad)
+    w = [args[n] for n in TENSORS[3:13]]
+    want = torch.ops.qcompile.experts_ref(x, args["top_k_index"], r, *w[:5], None, None, *w[5:], None, None,
+                                          args["w13_bias"], args["w2_bias"], activation, args["scheme"],
+                                          apply_router_weight_on_input=on_input)
+    for a, b in zip(got, torch.autograd.grad(want, (x, r), grad)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("change,msg", [
+    (dict(activation="relu"), "unknown experts activation 'relu'"),
+    (dict(activation="silu_no_mul"), r"w2_weight must be torch.int32 \[4, 128, 32\] for K=256, got .* \[4, 128, 16\]"),
+    (dict(w2_weight_scale=torch.ones(4, 128, 3)), r"w2_weight_scale must be torch.float32 \[4, 128, 1\]"),
+    (dict(w13_weight_global_scale=torch.ones(4)), "has no w13_weight_global_scale"),
+    (dict(w13_bias=torch.zeros(4, 128)), r"w13_bias must be a float \[4, 256\] bias"),
+    (dict(top_k_weights=torch.zeros(3, 3)), r"top_k_weights must be float \[3, 2\]"),
+    (dict(top_k_index=torch.zeros(3, 2)), "top_k_index must be int32/int64"),
+    (dict(hidden_states=torch.zeros(3, 64, dtype=torch.bfloat16)),
+     r"w13_weight must be torch.int32 \[4, 256, 8\] for K=64"),
+    (dict(scheme=fp8_scheme("channel", "dynamic_token").key), "fp8 weights need e8m0 scales per 32"),
+])
+def test_rejects_bad_inputs(change, msg):
+    args = make_moe("int4_g128", t=3)
+    args.update(change)
+    with pytest.raises(UnsupportedError, match=msg):
+        torch.ops.qcompile.wo_moe(*op_call(args, "reference"))
+
+
+def test_triton_backend_refusals():
+    args = make_moe("int4_g128", t=3)
+    with pytest.raises(UnsupportedError, match="unknown wo_moe backend 'cutlass'"):
+        torch.ops.qcompile.wo_moe(*op_call(args, "cutlass"))
+    if not mw.use_triton(args["hidden_states"]):
+        with pytest.raises(UnsupportedError, match="needs CUDA tensors"):
+            torch.ops.qcompile.wo_moe(*op_call(args, "triton"))
+    assert mw.check(_query("int4_g128", (9, 0), n=2 * 192, k=256)) == \
+        "down projection w2: K=192 not a multiple of 128"
+
+
+# -- kernel selection, capability mocked ------------------------------------------------------------
+
+def _query(fmt, capability, n=2 * 768, k=2048, act_dtype=torch.bfloat16, activation="silu", scheme=None):
+    return KernelQuery(scheme or QuantScheme(FORMATS[fmt]), "cpu" if capability is None else "cuda", capability, n, k,
+                       act_dtype, kind="experts", num_experts=128, top_k=8, activation=activation)
+
+
+def test_selection_by_capability(monkeypatch):
+    """Every weight-only format (and the W4A4 / MX-activation schemes, weight-only) runs wo_moe on CUDA
+    sm_80+; FP8 / INT8 W8A8 keep moe_triton; elsewhere the reference, with the reason."""
+    monkeypatch.setitem(registry._AVAILABLE, "triton", True)
+    for fmt in FORMATS:
+        for cap in ((9, 0), (8, 0), (10, 0)):
+            assert registry.select(_query(fmt, cap)).kernel.name == "wo_moe", (fmt, cap)
+        sel = registry.select(_query(fmt, (7, 5)))
+        assert sel.kernel.name == "reference" and dict(sel.rejected)["wo_moe"] == \
+            "needs compute capability >= 8.0, have 7.5"
+        sel = registry.select(_query(fmt, None))
+        assert dict(sel.rejected)["wo_moe"] == "needs a CUDA device, have cpu"
+    for scheme in (QuantScheme(NVFP4_WEIGHT, NVFP4_ACT), QuantScheme(MXFP4_WEIGHT, mx_act(QDtype.FP4_E2M1)),
+                   QuantScheme(MXFP8_WEIGHT, mx_act(QDtype.FP8_E4M3))):
+        assert registry.select(_query("", (9, 0), scheme=scheme)).kernel.name == "wo_moe"
+    fp8 = fp8_scheme("channel", "dynamic_token")
+    assert registry.select(_query("", (9, 0), scheme=fp8)).kernel.name == "moe_triton"
+    sel = registry.select(_query("int4_g128", (9, 0), act_dtype=torch.float32))
+    assert dict(sel.rejected)["wo_moe"] == "needs bf16/fp16 activations, have torch.float32"
+    sel = registry.select(_query("int4_g128", (9, 0), k=2000))
+    assert dict(sel.rejected)["wo_moe"] == "gate/up projection w13: K=2000 not a multiple of 128"
+    sel = registry.select(_query("int4_g128", (9, 0), activation="swiglu"))
+    assert dict(sel.rejected)["wo_moe"].startswith("activation 'swiglu' is not one of")
+    assert registry.select(_query("int4_g128", (9, 0), n=768, activation="relu2_no_mul")).kernel.name == "wo_moe"
+    monkeypatch.setitem(registry._AVAILABLE, "triton", False)
+    assert dict(registry.select(_query("int4_g128", (9, 0))).rejected)["wo_moe"] == "triton is not installed"
+
+
+def _compile_experts(path: Path, monkeypatch):
+    """Compile the first QuantExperts of a producer checkpoint with the Experts pass told the device is an
+    sm_90 GPU: (graph before, graph after, backend, warnings). The run itself stops at the kernel (CPU
+    tensors), which says so."""
+    from qcompile.experts import QuantExperts
+    from qcompile.passes import experts as pass_module
+
+    query = pass_module.experts_query
+    monkeypatch.setattr(pass_module, "experts_query",
+                        lambda args: dataclasses.replace(query(args), device="cuda", capability=(9, 0)))
+    experts = next(m for m in qcompile.load(str(path)).modules() if isinstance(m, QuantExperts))
+    graphs = []
+    torch._dynamo.reset()
+    be = qcompile.backend(inner="eager", on_graph=lambda before, after: graphs.append((before, after)))
+    x = torch.randn(3, experts.hidden_dim).bfloat16()
+    ids, w = torch.tensor([[0, 1], [2, 3], [1, 0]]), torch.rand(3, 2)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(UnsupportedError, match="needs CUDA tensors"):
+        warnings.simplefilter("always")
+        torch.compile(experts, backend=be, dynamic=False)(x, ids, w)
+    return graphs[0][0], graphs[0][1], be, [str(c.message) for c in caught]
+
+
+def _op_lines(code: str) -> str:
+    """The qcompile op call of a graph, arguments shortened: `op(name=value, ...)`."""
+    line = next(ln.strip().split(";  ")[0] for ln in code.splitlines() if "torch.ops.qcompile" in ln)
+    return re.sub(r"\bl_(self_parameters_)?", "", line)
+
+
+def test_compiled_weight_only_moe_selects_wo_moe(testdata, monkeypatch):
+    """A compressed-tensors W4A16 MoE layer compiled for an sm_90 GPU: experts_ref becomes wo_moe, its
+    arguments by name, backend "triton"."""
+    before, after, be, _ = _compile_experts(testdata / "llmcompressor-w4a16-gptq-moe", monkeypatch)
+    assert_expected_inline(_op_lines(before), """\
+experts_ref = torch.ops.qcompile.experts_ref(hidden_states_, top_k_index_, top_k_weights_, w13_weight_, w13_weight_scale_, None, None, None, None, None, w2_weight_, w2_weight_scale_, None, None, None, None, None, None, None, 'silu', 'w=int4/group128/pack=int32;a=none')""")  # noqa: E501
+    assert_expected_inline(_op_lines(after), """\
+wo_moe_default = torch.ops.qcompile.wo_moe.default(hidden_states = hidden_states_, top_k_index = top_k_index_, top_k_weights = top_k_weights_, w13_weight = w13_weight_, w13_weight_scale = w13_weight_scale_, w13_weight_global_scale = None, w13_weight_zero_point = None, w13_weight_g_idx = None, w2_weight = w2_weight_, w2_weight_scale = w2_weight_scale_, w2_weight_global_scale = None, w2_weight_zero_point = None, w2_weight_g_idx = None, w13_bias = None, w2_bias = None, activation = 'silu', scheme = 'w=int4/group128/pack=int32;a=none', backend = 'triton')""")  # noqa: E501
+    assert [(r.op, r.kernel, r.reason) for r in be.rows] == [("qcompile::wo_moe", "wo_moe", "")]
+
+
+def test_compiled_w4a4_moe_runs_weight_only_and_says_so(testdata, monkeypatch):
+    """ModelOpt NVFP4 (W4A4) experts on sm_90: wo_moe, weight-only; the explain row and a warning say so."""
+    from qcompile.passes import linear
+
+    monkeypatch.setattr(linear, "_WARNED", set())
+    _, after, be, caught = _compile_experts(testdata / "modelopt-nvfp4-moe", monkeypatch)
+    assert "torch.ops.qcompile.wo_moe.default(" in after
+    assert [(r.kernel, r.reason) for r in be.rows] == [("wo_moe", "activations not quantized (weight-only kernel)")]
+    assert any("runs weight-only on sm_90 (wo_moe)" in c for c in caught), caught
+
+
+# -- the Triton kernels under the interpreter (subprocess: TRITON_INTERPRET is read at import) --------
+
+def _cfg(bm, bn, words, split, **kw):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=words * 8, SPLIT_K=split, num_warps=4, num_stages=2, **kw)
+
+
+SPLIT2 = (_cfg(16, 64, 16, 2), _cfg(16, 32, 16, 2, X_PERMUTED=True, SCALE_PREFETCH=False))  # 4-bit words
+CASES = {}  # name -> (format, make_moe keywords, wo_moe_triton keywords)
+for _n, _f in enumerate(FORMATS):
+    CASES[f"{_f}-decode-t{1 + _n % 4}"] = (_f, dict(t=1 + _n % 4, seed=_n), {})
+    CASES[f"{_f}-t40"] = (_f, dict(t=40, seed=_n, e=4 + 4 * (_n % 2)), {})
+CASES.update({
+    "int4_g128-foreign": ("int4_g128", dict(t=5, foreign=True), {}),
+    "int8_g128-foreign-t40": ("int8_g128", dict(t=40, foreign=True, k=1), {}),
+    "mxfp4-swigluoai-bias": ("mxfp4", dict(t=6, activation="swigluoai:1.702:7.0", bias=True), {}),
+    "int4_g32_actorder-bias-split": ("int4_g32_actorder", dict(t=5, bias=True), dict(configs=SPLIT2)),
+    "int4_g128_zp-gelu-bias-split": ("int4_g128_zp", dict(t=4, bias=True, activation="gelu"), dict(configs=SPLIT2)),
+    "nvfp4-non-gated-silu": ("nvfp4", dict(t=4, activation="silu_no_mul", bias=True), {}),
+    "int8_channel-relu2": ("int8_channel", dict(t=3, activation="relu2_no_mul"), {}),
+    "int4_g128-on-input": ("int4_g128", dict(t=4, on_input=True, foreign=True), {}),
+    "mxfp8-on-input-bias": ("mxfp8", dict(t=3, on_input=True, bias=True), {}),
+    "int4_channel-fp16": ("int4_channel", dict(t=5, dtype=torch.float16, bias=True), {}),
+    "int4_g32_actorder-fp16": ("int4_g32_actorder", dict(t=5, dtype=torch.float16, bias=True), {}),
+    "nvfp4-fp16-t40": ("nvfp4", dict(t=40, dtype=torch.float16), {}),
+    "nvfp4-w4a4-scheme": ("nvfp4", dict(t=3, scheme=QuantScheme(NVFP4_WEIGHT, NVFP4_ACT).key), {}),
+    "nvfp4-dequant-grouped-mm": ("nvfp4", dict(t=6, bias=True, foreign=True), dict(dequant_rows=0)),
+    "int4_g32_actorder-dequant-on-input": ("int4_g32_actorder", dict(t=4, on_input=True), dict(dequant_rows=0)),
+})
+
+INTERPRETER_SCRIPT = textwrap.dedent(r"""
+    import json, os, time, torch
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    from qcompile.kernels import moe_wo as mw, quant_math as qm, wo_gemm as wg
+    from tests.kernels.test_moe_wo import CASES, W_ROLES, TENSORS, make_moe, op_call, reference, compare
+    assert mw.use_triton(torch.empty(1)), "interpreter not active"
+    t0, res = time.time(), {"cases": {}}
+    for name, (fmt, kw, extra) in CASES.items():
+        kw = dict(kw)
+        on_input = kw.pop("on_input", False)
+        args = make_moe(fmt, **kw)
+        spec = mw.parse_scheme_key(args["scheme"])
+        w13, w2 = (tuple(args[f"{p}_{r}"] for r in W_ROLES) for p in ("w13", "w2"))
+        out = mw.wo_moe_triton(args["hidden_states"], args["top_k_index"], args["top_k_weights"], w13, w2,
+                               args["w13_bias"], args["w2_bias"], args["activation"], spec, on_input, **extra)
+        res["cases"][name] = dict(compare(out, reference(args, on_input)), finite=bool(out.isfinite().all()))
+    # the op's triton backend, leading dims kept
+    args = make_moe("int4_g128", t=4, bias=True)
+    lead = dict(args, **{n: args[n].view(2, 2, -1) for n in ("hidden_states", "top_k_index", "top_k_weights")})
+    out = torch.ops.qcompile.wo_moe(*op_call(lead, "triton"))
+    res["op_triton"] = dict(compare(out.view(4, -1), reference(args)), shape=list(out.shape))
+    # the stacked dequantize kernel is quant_math per expert, bit for bit
+    for fmt in ("int4_g32_actorder", "nvfp4", "int8_tensor_zp", "mxfp8"):
+        args = make_moe(fmt, e=3)
+        t = [args[f"w2_{r}"] for r in W_ROLES]
+        spec = mw.parse_scheme_key(args["scheme"]).weight
+        got = wg.dequantize_triton(t[0], t[1], spec, t[2], t[3], t[4], 128, torch.float32)
+        want = torch.stack([qm.dequantize_weight(*(None if v is None else v[e] for v in t[:2]), spec,
+                            *(None if v is None else v[e] for v in t[2:]), k=128) for e in range(3)])
+        res[f"dequant-stacked-{fmt}"] = bool(torch.equal(got, want))
+    res["seconds"] = time.time() - t0
+    print(json.dumps(res))
+""")
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    if not mw.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], check=False, env=env, capture_output=True,
+                          text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_wo_moe_under_interpreter(interpreter_results, name):
+    """The Triton pipeline against experts_ref's math, within ``compare``'s bound (module doc)."""
+    got = interpreter_results["cases"][name]
+    assert got["finite"] and got["worst"] <= 1 and got["rel"] <= 1, got
+
+
+def test_op_triton_backend_under_interpreter(interpreter_results):
+    got = interpreter_results["op_triton"]
+    assert got["shape"] == [2, 2, 128] and got["worst"] <= 1 and got["rel"] <= 1, got
+
+
+@pytest.mark.parametrize("fmt", ["int4_g32_actorder", "nvfp4", "int8_tensor_zp", "mxfp8"])
+def test_stacked_dequantize_under_interpreter(interpreter_results, fmt):
+    """dequantize_triton of weights stacked over experts equals quant_math per expert, bit for bit."""
+    assert interpreter_results[f"dequant-stacked-{fmt}"]
+
+
+# -- sm_90 compiles without a GPU (the PTX decode paths the interpreter cannot take) ------------------
+
+def _ptxas_available() -> bool:
+    from tests.kernels.test_wo_gemm import _ptxas_available as available
+
+    return available()
+
+
+@pytest.mark.skipif(not mw.HAS_TRITON or not _ptxas_available(), reason="triton's NVIDIA backend / ptxas missing")
+@pytest.mark.parametrize("fmt,rows", [("int4_g128", 1), ("nvfp4", 2), ("int4_g32_actorder", 40), ("mxfp8", 8)])
+def test_grouped_kernels_compile_for_sm90(fmt, rows):
+    """The grouped GEMM with the configuration the op picks (PTX decode on: int4 lop3, e2m1) and the
+    stacked dequantize kernel compile for sm_90."""
+    from qcompile.kernels import wo_gemm as wg
+    from qcompile.kernels import wo_gemm_triton as wt
+    from tests.kernels.test_wo_gemm import _compile_sm90
+
+    spec = FORMATS[fmt]
+    lay = wg.layout_of(spec)
+    cfg = mw.grouped_config(rows * 128, 128, 1536, 2048, spec, torch.device("cpu"))
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    cfg.pop("SPLIT_K")
+    sk = "*fp32" if lay.scale_kind == wg.SK_FP32 else "*u8"
+    gs = "*fp32" if spec.global_scale else None
+    g = "*i32" if spec.act_order else None
+    ptrs = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=sk, z_ptr=None, g_ptr=g, gs_ptr=gs, bias_ptr="*bf16",
+                out_ptr="*fp32", ids_ptr="*i32", experts_ptr="*i32", route_ptr="*fp32")
+    ints = ("M", "N", "K", "stride_wn", "stride_sn", "k_split_words", "A_DIV", "stride_we", "stride_se", "stride_ge",
+            "stride_be")
+    common = dict(FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
+                  HAS_ZP=False, ACT_ORDER=g is not None, TILED=False, NATURAL=False, GROUPED=True)
+    _compile_sm90(wt._wo_gemm_kernel, ptrs, ints,
+                  dict(common, HAS_BIAS=True, PARTIAL=False, PTX_DECODE=True, ROUTE=True, **cfg),
+                  num_warps=warps, num_stages=stages)
+    _compile_sm90(wt._dequant_kernel, dict(w_ptr="*i32", s_ptr=sk, z_ptr=None, g_ptr=g, gs_ptr=gs, out_ptr="*bf16"),
+                  ("N", "K", "stride_wn", "stride_sn", "stride_we", "stride_se", "stride_ge"),
+                  dict(common, BLOCK_N=32, BLOCK_K=16 * lay.epw))
+
+
+# -- on the GPU ------------------------------------------------------------------------------------
+
+GPU_TOKENS = (1, 4, 16, 64, 256)
+GPU_SHAPES = {"e8-h2048-i1408-k2": (8, 2048, 1408, 2), "e32-h1024-i768-k4": (32, 1024, 768, 4)}
+GPU_FORMATS = ["int4_g128", "int4_g32", "int4_g128_zp", "int4_g32_actorder", "int8_g128", "int8_channel", "nvfp4",
+               "mxfp4", "mxfp8"]
+
+
+def gpu_moe(fmt, t, shape, activation="silu", dtype=torch.bfloat16, seed=0, bias=False) -> dict:
+    """make_moe's tensors for ``shape`` on the GPU (quantized on the GPU's copy of the weights: fast)."""
+    e, h, i, k = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    spec = FORMATS[fmt]
+    n1 = i if activation.endswith("_no_mul") else 2 * i
+    args = {}
+    for p, (n, kk) in (("w13", (n1, h)), ("w2", (h, i))):
+        per = [rtn_quantize(spec, torch.randn(n, kk, device="cuda", generator=g) / kk**0.5, seed + j) for j in range(e)]
+        args.update({f"{p}_{r}": None if per[0][r] is None else torch.stack([q[r] for q in per]) for r in W_ROLES})
+    ids = torch.rand(t, e, generator=g, device="cuda").argsort(1)[:, :k]
+    args.update(hidden_states=torch.randn(t, h, generator=g, device="cuda").to(dtype), top_k_index=ids,
+                top_k_weights=torch.rand(t, k, generator=g, device="cuda").softmax(-1),
+                w13_bias=torch.randn(e, n1, generator=g, device="cuda").to(dtype) * 0.5 if bias else None,
+                w2_bias=torch.randn(e, h, generator=g, device="cuda").to(dtype) * 0.5 if bias else None,
+                activation=activation, scheme=QuantScheme(spec).key)
+    return args
+
+
+def check_gpu(out: torch.Tensor, args: dict, tag: str, on_input: bool = False) -> None:
+    """Against experts_ref's fp32 math on the same GPU: normwise below 1e-2 and per token below 3e-2 (bf16;
+    fp16 5e-3 / 1.5e-2). Expected: bf16 rounding of weights scaled before the dot (2^-9 relative), of the
+    activation (an element one ulp off where h differs) and of the output, ~3e-3 normwise; a wrong expert,
+    scale or weight errs by O(1) on its token's row."""
+    ref = reference(args, on_input).float()
+    out = out.float()
+    assert out.shape == ref.shape and bool(out.isfinite().all()), tag
+    err = out - ref
+    rel = float(err.norm() / ref.norm())
+    rows = ref.norm(dim=1).clamp(min=1e-3 * float(ref.norm(dim=1).max()))
+    row = float((err.norm(dim=1) / rows).max())
+    bf16 = args["hidden_states"].dtype == torch.bfloat16
+    assert rel < (1e-2 if bf16 else 5e-3) and row < (3e-2 if bf16 else 1.5e-2), (tag, rel, row)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+@pytest.mark.parametrize("fmt", GPU_FORMATS)
+def test_gpu_matches_reference(fmt, shape):
+    """Decode to prefill token counts, default launch configurations, against experts_ref on the GPU."""
+    for seed, t in enumerate(GPU_TOKENS):
+        args = gpu_moe(fmt, t, GPU_SHAPES[shape], seed=seed, bias=seed % 2 == 1)
+        check_gpu(torch.ops.qcompile.wo_moe(*op_call(args, "triton")), args, f"T={t}")
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4_g128", "nvfp4", "mxfp4"])
+def test_gpu_activations_routing_and_dequant_path(fmt):
+    """swigluoai with biases, a non-gated activation, fp16, router weight on input, foreign expert ids,
+    and the dequantize + torch._grouped_mm path (forced, and by T: 256 rows per expert)."""
+    shape = GPU_SHAPES["e8-h2048-i1408-k2"]
+    for tag, kw, on_input, extra in (("swigluoai", dict(activation="swigluoai:1.702:7.0", bias=True), False, {}),
+                                     ("non-gated", dict(activation="silu_no_mul"), False, {}),
+                                     ("fp16", dict(dtype=torch.float16, bias=True), False, {}),
+                                     ("on-input", {}, True, {}),
+                                     ("dequant", dict(bias=True), False, dict(dequant_rows=0))):
+        for t in (3, 64):
+            args = gpu_moe(fmt, t, shape, **kw)
+            args["top_k_index"][0, 0], args["top_k_index"][-1, -1] = -1, 8  # another rank's experts
+            w13, w2 = (tuple(args[f"{p}_{r}"] for r in W_ROLES) for p in ("w13", "w2"))
+            out = mw.wo_moe_triton(args["hidden_states"], args["top_k_index"], args["top_k_weights"], w13, w2,
+                                   args["w13_bias"], args["w2_bias"], args["activation"],
+                                   mw.parse_scheme_key(args["scheme"]), on_input, **extra)
+            check_gpu(out, args, f"{tag} T={t}", on_input)
+    args = gpu_moe(fmt, 1024, shape)
+    assert mw.dequantizes(args["hidden_states"], 2048, 8) == (torch.cuda.get_device_capability()[0] in (9, 10))
+    check_gpu(torch.ops.qcompile.wo_moe(*op_call(args, "triton")), args, "T=1024")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4_g128", "nvfp4", "int4_g32_actorder"])
+def test_gpu_cuda_graph_and_determinism(fmt):
+    """The op captured in a CUDA graph (a host sync would fail the capture) replays new x and routing
+    correctly; two eager runs are bitwise equal (no atomics, fixed summation order)."""
+    shape = GPU_SHAPES["e32-h1024-i768-k4"]
+    for t in (1, 16, 256, 2048):  # 2048: 256 rows per expert, the dequantize + grouped_mm path
+        args, new = gpu_moe(fmt, t, shape, seed=1, bias=True), gpu_moe(fmt, t, shape, seed=2)
+        call = op_call(args, "triton")
+        first = torch.ops.qcompile.wo_moe(*call)
+        assert torch.equal(first, torch.ops.qcompile.wo_moe(*call)), f"T={t}: two runs differ"
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            torch.ops.qcompile.wo_moe(*call)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = torch.ops.qcompile.wo_moe(*call)
+        for n in ("hidden_states", "top_k_index", "top_k_weights"):
+            args[n].copy_(new[n])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, torch.ops.qcompile.wo_moe(*call)), f"T={t}: replay differs from eager"
+        check_gpu(captured, args, f"graph T={t}")
+
+
+GPU_CHECKPOINTS = ["llmcompressor-w4a16-gptq-moe", "llmcompressor-w4a16-mixtral", "llmcompressor-w8a16-moe",
+                   "llmcompressor-nvfp4a16-moe", "llmcompressor-nvfp4-moe", "modelopt-nvfp4-moe", "modelopt-mxfp8-moe",
+                   "quark-w-mxfp4-moe"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_CHECKPOINTS)
+def test_gpu_producer_checkpoints_compile_to_wo_moe(testdata, name):
+    """A producer's weight-only MoE layer compiled on the GPU runs wo_moe and matches the eager layer
+    (experts_ref with the scheme's activation quantization dropped), T = 1..300."""
+    from qcompile.experts import QuantExperts
+
+    torch._dynamo.reset()
+    model = qcompile.load(str(testdata / name), device="cuda")
+    experts = next(m for m in model.modules() if isinstance(m, QuantExperts))
+    be = qcompile.backend()
+    compiled = torch.compile(experts, backend=be, dynamic=False)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    key = QuantScheme(mw.parse_scheme_key(experts.scheme_key).weight).key
+    for t in (1, 3, 16, 300):
+        x = torch.randn(t, experts.hidden_dim, device="cuda", generator=g).bfloat16()
+        w, ids = torch.topk(torch.randn(t, experts.num_experts, device="cuda", generator=g).softmax(-1), 2, dim=-1)
+        tensors = [getattr(experts, f"{p}_{r}", None) for p in ("w13", "w2") for r in W_ROLES]
+        with torch.no_grad():
+            want = torch.ops.qcompile.wo_moe(x, ids, w, *tensors, None, None, experts.activation, key)
+            got = compiled(x, ids, w)
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2, (name, t)
+    assert {(r.kernel, r.op) for r in be.rows} == {("wo_moe", "qcompile::wo_moe")}, be.explain()
