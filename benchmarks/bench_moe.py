@@ -187,17 +187,23 @@ def _layers(e: int, h: int, i: int, k: int, device: str) -> dict:
     return layers
 
 
+def routed_tokens(t: int, e: int, h: int, k: int, device: str):
+    """The inputs of T = t (seeded by t): bf16 x [t, h], k distinct experts per token drawn uniformly,
+    softmaxed router weights, and how many experts the routing touches."""
+    g = torch.Generator(device=device).manual_seed(1000 + t)
+    x = torch.randn(t, h, generator=g, device=device).to(torch.bfloat16)
+    ids = torch.rand(t, e, generator=g, device=device).argsort(1)[:, :k].to(torch.int32)
+    weights = torch.softmax(torch.randn(t, k, generator=g, device=device), 1)
+    return x, ids, weights, int(ids.unique().numel())
+
+
 def bench_shape(name: str, shape, tokens, replays: int, bw: float, device: str, log) -> list[dict]:
     e, h, i, k = shape
     layers = _layers(e, h, i, k, device)
     expert_params = 2 * i * h + h * i
     rows = []
     for t in tokens:
-        g = torch.Generator(device=device).manual_seed(1000 + t)
-        x = torch.randn(t, h, generator=g, device=device).to(torch.bfloat16)
-        ids = torch.rand(t, e, generator=g, device=device).argsort(1)[:, :k].to(torch.int32)
-        weights = torch.softmax(torch.randn(t, k, generator=g, device=device), 1)
-        used = int(ids.unique().numel())
+        x, ids, weights, used = routed_tokens(t, e, h, k, device)
         p = layers["peer"]
         fns = {PEERS[0]: (2, functools.partial(bf16_peer, x, ids, weights, p["w13t"], p["w2t"])),
                PEERS[1]: (1, functools.partial(fp8_peer, x, ids, weights, p["q13t"], p["s13"], p["q2t"], p["s2"]))}
@@ -263,11 +269,7 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
         expert_bytes = sum(v.numel() * v.element_size() for ws in (w13, w2) for v in ws if v is not None) / e
         paths = {row: mw.DEQUANT_ROWS} | (WO_PATHS if n == 0 else {})
         for t in tokens:
-            g = torch.Generator(device=device).manual_seed(1000 + t)
-            x = torch.randn(t, h, generator=g, device=device).to(torch.bfloat16)
-            ids = torch.rand(t, e, generator=g, device=device).argsort(1)[:, :k].to(torch.int32)
-            weights = torch.softmax(torch.randn(t, k, generator=g, device=device), 1)
-            used = int(ids.unique().numel())
+            x, ids, weights, used = routed_tokens(t, e, h, k, device)
             for label, dequant_rows in paths.items():
                 if mw.use_triton(x):
                     fn = functools.partial(mw.wo_moe_triton, x, ids, weights, w13, w2, None, None, "silu", spec, False,

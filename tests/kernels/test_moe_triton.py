@@ -32,6 +32,7 @@ from qcompile.kernels import moe_config as mc
 from qcompile.kernels import moe_kernels as mk
 from qcompile.kernels import moe_triton as mt
 from qcompile.scheme import ActSpec, Granularity, QDtype, QuantScheme, ScaleSpec, WeightSpec, fp8_scheme
+from tests.gpu_util import graph_replay
 from tests.opcheck_util import opcheck
 
 REPO = Path(__file__).resolve().parents[2]
@@ -612,19 +613,9 @@ def test_gpu_cuda_graph_and_determinism(name):
         call = op_call(args, "triton")
         first = torch.ops.qcompile.fused_moe(*call)
         assert torch.equal(first, torch.ops.qcompile.fused_moe(*call)), f"T={t}: two runs differ"
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            torch.ops.qcompile.fused_moe(*call)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = torch.ops.qcompile.fused_moe(*call)
-        for n in ("x", "topk_ids", "topk_weights", "a13_scale", "a2_scale"):
-            if args[n] is not None:
-                args[n].copy_(new[n])
-        graph.replay()
-        torch.cuda.synchronize()
+        captured, _graph = graph_replay(lambda: torch.ops.qcompile.fused_moe(*call), lambda: [
+            args[n].copy_(new[n]) for n in ("x", "topk_ids", "topk_weights", "a13_scale", "a2_scale")
+            if args[n] is not None])
         assert torch.equal(captured, mt.fused_moe(**new)), f"T={t}: replay with new inputs differs from eager"
         check_gpu(captured, new, f"graph T={t}")
 

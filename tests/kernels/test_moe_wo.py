@@ -40,6 +40,7 @@ from qcompile.kernels.registry import KernelQuery
 from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, Granularity, Packing, QDtype,
                              QuantScheme, fp8_scheme, mx_act)
 from tests.kernels.test_wo_gemm import SPECS, _int, rtn_quantize
+from tests.gpu_util import graph_replay
 from tests.opcheck_util import opcheck
 
 REPO = Path(__file__).resolve().parents[2]
@@ -502,18 +503,8 @@ def test_gpu_cuda_graph_and_determinism(fmt):
         call = op_call(args, "triton")
         first = torch.ops.qcompile.wo_moe(*call)
         assert torch.equal(first, torch.ops.qcompile.wo_moe(*call)), f"T={t}: two runs differ"
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            torch.ops.qcompile.wo_moe(*call)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = torch.ops.qcompile.wo_moe(*call)
-        for n in ("hidden_states", "top_k_index", "top_k_weights"):
-            args[n].copy_(new[n])
-        graph.replay()
-        torch.cuda.synchronize()
+        captured, _graph = graph_replay(lambda: torch.ops.qcompile.wo_moe(*call), lambda: [
+            args[n].copy_(new[n]) for n in ("hidden_states", "top_k_index", "top_k_weights")])
         assert torch.equal(captured, torch.ops.qcompile.wo_moe(*call)), f"T={t}: replay differs from eager"
         check_gpu(captured, args, f"graph T={t}")
 
