@@ -61,3 +61,13 @@ def one_layer(tmp_path_factory):
         return cache[fmt]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for the module's tests: tiny models run as fast on one, and several threads
+    slow each other down on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
