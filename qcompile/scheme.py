@@ -172,6 +172,10 @@ ROLES = (
     "input_scale",  # static activation scale (per tensor)
     "input_global_scale",  # NVFP4 activation global scale
     "weight_shape",  # compressed-tensors pack-quantized: the unpacked [N, K], int64
+    # A symmetric scheme's all-zero zero points that a producer stores anyway (Quark): checked to be zero
+    # at load, never read, written back as zeros.
+    "unused_weight_zero_point",
+    "unused_input_zero_point",
 )
 
 
@@ -215,7 +219,7 @@ def canonical_shape(role: str, scheme: QuantScheme, n: int, k: int) -> tuple[int
     w = scheme.weight
     if role == "weight":
         return (n, w.packing.storage_cols(k, w.dtype.bits))
-    if role in ("weight_scale", "weight_zero_point"):
+    if role in ("weight_scale", "weight_zero_point", "unused_weight_zero_point"):
         s = w.scale
         if s.granularity is Granularity.TENSOR:
             return ()
@@ -226,7 +230,7 @@ def canonical_shape(role: str, scheme: QuantScheme, n: int, k: int) -> tuple[int
         if s.granularity is Granularity.BLOCK:
             return (math.ceil(n / s.block[0]), math.ceil(k / s.block[1]))
         raise AssertionError(f"weight scale granularity {s.granularity} has no shape")
-    if role in ("weight_global_scale", "input_scale", "input_global_scale"):
+    if role in ("weight_global_scale", "input_scale", "input_global_scale", "unused_input_zero_point"):
         return ()
     if role == "weight_g_idx":
         return (k,)

@@ -32,7 +32,7 @@ FP8 W8A8             ``weight`` fp8, ``weight_scale`` bf16 0-d (per tensor) or [
 INT8 W8A8            ``weight`` int8 per channel (or tensor / group), ``weight_scale``; activations
                      per token dynamic or per tensor static (``input_scale``). Symmetric: the
                      all-zero ``weight_zero_point`` / ``input_zero_point`` Quark also stores are
-                     not read (vLLM drops them too)
+                     checked to be zero and not read (vLLM drops them), written back when saving
 ===================  ==========================================================================
 
 ``is_dynamic: null`` on activations means static (vLLM). KV cache: ``kv_cache_quant_config`` entries'
@@ -228,7 +228,15 @@ def _weight(s: dict, where: str) -> tuple[WeightSpec, tuple[TensorSpec, ...]]:
             qscheme, ScaleSpec(Granularity.GROUP, group_size=s.get("group_size") or 0))
         weight = WeightSpec(dtype, scale, zero_point=s.get("symmetric") is False)
     tensors = (TensorSpec("weight", "weight"), TensorSpec("weight_scale", "weight_scale"))
-    return weight, tensors + ((TensorSpec("weight_zero_point", "weight_zero_point"),) if weight.zero_point else ())
+    if weight.zero_point:
+        return weight, tensors + (TensorSpec("weight_zero_point", "weight_zero_point"),)
+    return weight, tensors + _unused_zero_point("weight", dtype)
+
+
+def _unused_zero_point(tensor: str, dtype: QDtype) -> tuple[TensorSpec, ...]:
+    """The all-zero zero point Quark stores beside a symmetric integer scale (not read; kept for saving)."""
+    return (TensorSpec(f"unused_{tensor}_zero_point", f"{tensor}_zero_point", optional=True),) \
+        if dtype is QDtype.INT8 else ()
 
 
 def _act(s: dict, where: str) -> tuple[ActSpec, tuple[TensorSpec, ...]]:
@@ -245,7 +253,7 @@ def _act(s: dict, where: str) -> tuple[ActSpec, tuple[TensorSpec, ...]]:
          "supported", "use symmetric or dynamic activations", UnsupportedError)
     gran = Granularity.TOKEN if qscheme == "per_channel" else Granularity.TENSOR
     act = ActSpec(dtype, dynamic, ScaleSpec(gran), symmetric=symmetric)
-    return act, (() if dynamic else (TensorSpec("input_scale", "input_scale"),))
+    return act, (() if dynamic else (TensorSpec("input_scale", "input_scale"),) + _unused_zero_point("input", dtype))
 
 
 def _kv_cache(specs: list[tuple[Any, str]]) -> KVCacheSpec:

@@ -122,14 +122,14 @@ SCHEMES = {
                         ["weight", "weight_scale"]),
     "w8a8_int8_token": (quark(spec("int8", "per_channel", ch_axis=0), spec("int8", "per_channel", True, ch_axis=1)),
                         QuantScheme(INT8_CHANNEL, ActSpec(QDtype.INT8, True, ScaleSpec(G.TOKEN))),
-                        ["weight", "weight_scale"]),
+                        ["weight", "weight_scale", "weight_zero_point"]),
     "w8a8_int8_static_tensor": (quark(spec("int8", "per_channel", ch_axis=0), spec("int8")),
                                 QuantScheme(INT8_CHANNEL, ActSpec(QDtype.INT8, False, ScaleSpec(G.TENSOR))),
-                                ["weight", "weight_scale", "input_scale"]),
+                                ["weight", "weight_scale", "weight_zero_point", "input_scale", "input_zero_point"]),
     "w8a8_int8_per_tensor_weight": (quark(spec("int8"), spec("int8", is_dynamic=True)),
                                     QuantScheme(WeightSpec(QDtype.INT8, ScaleSpec(G.TENSOR)),
                                                 ActSpec(QDtype.INT8, True, ScaleSpec(G.TENSOR))),
-                                    ["weight", "weight_scale"]),
+                                    ["weight", "weight_scale", "weight_zero_point"]),
     "int8_asym_weight": (quark(spec("int8", "per_channel", symmetric=False), None),
                          QuantScheme(WeightSpec(QDtype.INT8, ScaleSpec(G.CHANNEL), zero_point=True)),
                          ["weight", "weight_scale", "weight_zero_point"]),
@@ -150,6 +150,11 @@ def test_schemes(case):
     config, scheme, tensor_names = SCHEMES[case]
     lq = parse(config).resolve(f"{L0}.mlp.down_proj")
     assert lq.scheme == scheme and names(lq) == tensor_names
+    # a symmetric int8 scale's zero point, which Quark stores all-zero: checked, not read
+    unused = [t for t in lq.tensors if t.role.startswith("unused_")]
+    assert all(t.optional and t.name == t.role[len("unused_"):] for t in unused)
+    assert len(unused) == (not scheme.weight.zero_point and scheme.weight.dtype is QDtype.INT8) + \
+        (scheme.act is not None and scheme.act.dtype is QDtype.INT8 and not scheme.act.dynamic)
 
 
 def test_unknown_informational_keys_are_allowed():
