@@ -9,7 +9,8 @@ as ``w2_*`` (the layout of :mod:`qcompile.kernels.experts_ref`):
 
 =====================  =====================================================================
 weight codes           ``w13_weight`` [E, 2I, K'] (gate rows, then up rows), ``w2_weight`` [E, H, I']
-per-tensor scales      [E]: gate and up merged to their max, the other shard requantized (as vLLM)
+per-tensor scales      [E]: gate and up merged to their max, the other shard requantized (as vLLM;
+                       saved so: both shards with the max)
 channel / group /      [E, N] / [E, N, K/g] / [E, N/bn, K/bk]: gate's and up's concatenated
 block scales
 global weight scales   [E] (NVFP4): gate's; a different up one is warned about and not used (as vLLM)
@@ -29,7 +30,8 @@ Life cycle (driven by :mod:`qcompile.loading`), as :class:`~qcompile.linear.Quan
    so a load holds the stacked part plus the checkpoint pages not yet stacked, never a second copy of a
    layer (tests/test_moe_memory.py: the peak stays within 1.1x the loaded weights).
 3. :meth:`QuantExperts.finalize`: every expected tensor arrived; per-shard scalars merged as above.
-4. :meth:`QuantExperts.disk_tensors` (``save_pretrained``): the per-expert checkpoint tensors back.
+4. :meth:`QuantExperts.disk_tensors` (``save_pretrained``): the per-expert checkpoint tensors back (bit-equal
+   to the checkpoint's, but for experts whose gate and up were requantized to one scale).
 """
 
 from __future__ import annotations
@@ -294,8 +296,9 @@ class QuantExperts(nn.Module):
                 raise UnsupportedError(f"expert {e}'s gate and up have different per-tensor scales and "
                                        f"{w.dtype.value} codes cannot be requantized", where=self.name,
                                        fix="quantize gate and up with one scale")
-            fused, _ = quant_math.requantize_to_max_scale([codes[e, :rows], codes[e, rows:]], [gate[e], up[e]])
+            fused, biggest = quant_math.requantize_to_max_scale([codes[e, :rows], codes[e, rows:]], [gate[e], up[e]])
             codes[e] = fused
+            gate[e] = up[e] = biggest  # the per-shard scales saved: the shared one (disk_tensors)
             self.requantized.append(e)
         if self.requantized:
             log.info("qcompile: %s: gate and up requantized to their larger scale for %d experts", self.name,
@@ -330,13 +333,9 @@ class QuantExperts(nn.Module):
     @torch.no_grad()
     def disk_tensors(self) -> dict[str, torch.Tensor]:
         """``{<e>.<projection>.<name>: tensor}`` relative to this module: every expert's checkpoint tensors as
-        the checkpoint stored them (the inverse of :meth:`receive` and :meth:`finalize`)."""
-        if self.requantized:
-            raise UnsupportedError(
-                f"the gate and up projections of {len(self.requantized)} experts (expert {self.requantized[0]}, "
-                "...) had different per-tensor scales and were requantized to one at load; their original codes "
-                "cannot be written back", where=self.name,
-                fix="save a checkpoint whose gate and up share their per-tensor scale (every producer writes one)")
+        the checkpoint stored them (the inverse of :meth:`receive` and :meth:`finalize`). Experts whose gate and
+        up were requantized to one per-tensor scale at load are written as the model holds them: the
+        requantized codes, the shared scale for both (a checkpoint that loads back to the same tensors)."""
         out = {}
         for slot in self.slots:
             leaf = self.naming[(0, 1, 2)[SHARDS.index((slot.group, slot.shard))]]
