@@ -13,7 +13,9 @@ per-tensor scales      [E]: gate and up merged to their max, the other shard req
                        saved so: both shards with the max)
 channel / group /      [E, N] / [E, N, K/g] / [E, N/bn, K/bk]: gate's and up's concatenated
 block scales
-global weight scales   [E] (NVFP4): gate's; a different up one is warned about and not used (as vLLM)
+global weight scales   [E] (NVFP4): gate's; a different up one is warned about and not used (as vLLM).
+                       W4A8 (fp32 channel scales): the larger; the other shard's channel scales take
+                       the ratio (as vLLM)
 static input scales    0-d fp32: the max over experts and shards (as vLLM)
 act-order g_idx        [E, K]; gate and up must agree
 =====================  =====================================================================
@@ -50,7 +52,7 @@ from .kernels import experts_ref  # noqa: F401  (registers the op)
 from .kernels.experts_ref import ROLES, expert_slice
 from .linear import FLOATS, QuantLinear, _param, release_memory
 from .kernels import quant_math
-from .scheme import Granularity, LayerQuant, canonical_shape, parse_scheme_key
+from .scheme import Granularity, LayerQuant, ScaleDtype, canonical_shape, parse_scheme_key
 
 log = logging.getLogger("qcompile")
 
@@ -152,6 +154,7 @@ class QuantExperts(nn.Module):
         self.requantized: list[int] = []  # experts whose gate / up shard was requantized to a shared scale
         self.__dict__["slots"] = []  # every ExpertSlot, kept after loading for saving
         self.__dict__["per_shard"] = {}  # (group, role) -> [E, shards, ...] scalars / g_idx as loaded
+        self.__dict__["stored_scales"] = {}  # (expert, shard) -> w13 channel scales as loaded, where rescaled
         self.__dict__["stack"] = {}  # (group, role) -> the stacked tensor being filled
         self.__dict__["received"] = set()
         self.__dict__["hf_template"] = None  # the replaced HF module (meta), for dequantize_model
@@ -272,6 +275,8 @@ class QuantExperts(nn.Module):
                                       f"({self.disk_prefix}.{differ[0]}.{self.naming[0]}.weight_g_idx)",
                                       where=self.name, fix="the fused gate/up runs one column order; re-export")
             return gate.contiguous()
+        if role == "weight_global_scale" and self.lq.scheme.weight.scale.dtype is ScaleDtype.FP32:
+            return self._fold_global_scales(gate, up)
         if role == "weight_global_scale":
             differ = (~torch.isclose(gate, up)).nonzero().flatten().tolist()
             if differ:
@@ -286,6 +291,20 @@ class QuantExperts(nn.Module):
             raise UnsupportedError(f"per-tensor {role} differs between gate and up", where=self.name,
                                    fix="quantize gate and up with one per-tensor parameter")
         return gate.contiguous()
+
+    def _fold_global_scales(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """W4A8 (fp32 channel scales under a global one): the larger of gate's and up's global scales is
+        shared, the other shard's channel scales take the ratio (as vLLM); their stored values are kept
+        for saving."""
+        biggest = torch.maximum(gate, up)
+        scales = self.stack["w13", "weight_scale"]
+        rows = self.intermediate
+        for shard, own in enumerate((gate, up)):
+            for e in (own != biggest).nonzero().flatten().tolist():
+                part = scales[e, shard * rows:(shard + 1) * rows]
+                self.stored_scales[e, shard] = part.clone()
+                part.mul_(own[e] / biggest[e])
+        return biggest.contiguous()
 
     def _merge_tensor_scales(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         codes = self.stack["w13", "weight"]
@@ -352,6 +371,8 @@ class QuantExperts(nn.Module):
 
     def _canonical_of(self, slot: ExpertSlot, role: str) -> torch.Tensor | None:
         """Expert ``slot.expert``'s canonical tensor of ``role`` for ``slot``'s shard, as loaded."""
+        if role == "weight_scale" and slot.group == "w13" and (slot.expert, slot.shard) in self.stored_scales:
+            return self.stored_scales[slot.expert, slot.shard]
         if (slot.group, role) in self.per_shard:
             return self.per_shard[slot.group, role][slot.expert, slot.shard]
         t = getattr(self, f"{slot.group}_{role}", None)

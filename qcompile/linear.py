@@ -211,6 +211,8 @@ class QuantLinear(nn.Module):
         if spec.packed_rows:
             t = quant_math.unpack_int32(t.reshape(disk_shape(spec, scheme, n, k)).t(), scheme.weight.dtype.bits, n).t()
             t = t.to(torch.int8)
+        if spec.int4_order:
+            t = quant_math.permute_int4_words(t, tuple(spec.int4_order.index(j) for j in range(8)))
         t = t.reshape(canonical_shape(spec.role, scheme, n, k))
         if spec.role == "weight_shape":  # compressed-tensors' record of the unpacked shape
             if t.tolist() != [n, k]:
@@ -242,6 +244,8 @@ class QuantLinear(nn.Module):
             t = stored.to(t.device) if same else 1.0 / t
         if spec.packed_rows:
             t = quant_math.pack_int32(t.reshape(n, -1).t(), self.lq.scheme.weight.dtype.bits).t()
+        if spec.int4_order:
+            t = quant_math.permute_int4_words(t, spec.int4_order)
         return t.to(disk.dtype).reshape(disk.shape).contiguous()
 
     def _tile_for_kernel(self) -> None:

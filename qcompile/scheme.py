@@ -185,13 +185,16 @@ class TensorSpec:
     the module name). ``reciprocal``: the file stores 1/x of the canonical value. ``packed_rows``: the
     file stores int codes packed along dim 0 (out_features) like the weight's own words, 32/bits per
     int32 with offset 2^(bits-1), code i of a column at bits bits*(i % (32/bits)) of word i // (32/bits)
-    (compressed-tensors' asymmetric pack-quantized zero points); unpacked at load."""
+    (compressed-tensors' asymmetric pack-quantized zero points); unpacked at load. ``int4_order``: the
+    file's int32 words hold two's-complement int4 codes, nibble i holding code ``int4_order[i]`` of its
+    eight (Quark); converted to the canonical INT32 word at load and back when saving."""
 
     role: str
     name: str
     reciprocal: bool = False
     optional: bool = False
     packed_rows: bool = False
+    int4_order: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.role not in ROLES:
