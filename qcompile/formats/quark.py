@@ -14,6 +14,8 @@ experts (``kind="moe"``) resolve as expert 0's ``gate_proj`` / ``up_proj`` / ``d
 (:func:`~qcompile.formats.compressed_tensors.resolve_experts`): Quark matches every module on its own
 and quantizes Linears only, so an entry naming just the parent ``experts`` module has no effect
 (its docs: "``*.mlp.gate`` excludes only ``model.layers.0.mlp.gate`` itself, not its descendants").
+Experts must have a scheme one of vLLM's Quark MoE methods runs (W8A8 FP8, W8A8 INT8, W4A8 FP8, OCP-MX:
+:func:`_moe_refusal`); others are refused naming the experts module.
 
 A layer config has ``weight`` / ``input_tensors`` / ``output_tensors`` / ``bias``, each a tensor spec
 (``dtype``, ``qscheme`` per_tensor | per_channel | per_group, ``group_size``, ``is_dynamic``,
@@ -95,6 +97,15 @@ class QuarkConfig(QuantConfig):
     def is_excluded(self, name: str) -> bool:
         return any(p.matches(name) for p in self.exclude)
 
+    def _resolve_moe(self, module_name: str, projections: tuple[str, str, str]) -> LayerQuant | None:
+        lq = super()._resolve_moe(module_name, projections)
+        why = lq and _moe_refusal(lq.scheme)
+        need(not why, module_name, f"Quark MoE experts quantized {lq and lq.scheme.key} ({lq and lq.source}) are "
+             f"not supported: {why}", "quantize the experts with a Quark MoE scheme (FP8 or INT8 W8A8 per tensor, or "
+             "per-channel weights with dynamic per-token activations; int4_fp8; OCP-MX weights) or exclude them",
+             UnsupportedError)
+        return lq
+
     def _resolve(self, name: str, kind: ModuleKind) -> LayerQuant | None:
         if self.is_excluded(name):
             return None
@@ -104,6 +115,39 @@ class QuarkConfig(QuantConfig):
         if shard_names(name):
             return self.resolve_fused(name, kind, lambda n: None if n == name else self.resolve(n, "linear"))
         return self.default
+
+
+def _moe_refusal(scheme: QuantScheme) -> str | None:
+    """Why vLLM's Quark MoE methods (W8A8 FP8, W8A8 INT8, W4A8 FP8, OCP-MX) have none for ``scheme``, or None."""
+    w, a = scheme.weight, scheme.act
+    a_mx = a is not None and a.scale.dtype is ScaleDtype.E8M0
+    if w.scale.dtype is ScaleDtype.E8M0:
+        if w.dtype is QDtype.FP8_E4M3:
+            return "MXFP8 weights have no Quark MoE method"
+        if a is None or (a_mx and a.dtype is not QDtype.FP8_E4M3 and w.dtype in (QDtype.FP4_E2M1, a.dtype)):
+            return None
+        if w.dtype is QDtype.FP4_E2M1 and a.dtype is QDtype.FP8_E4M3 and not a_mx and not a.dynamic and \
+                a.scale.granularity is Granularity.TENSOR:
+            return None
+        return f"OCP-MX {w.dtype.value} weights run with unquantized activations, MX activations of their type " \
+               "(mxfp4 weights: also mxfp6) or static per-tensor fp8 (mxfp4 weights only)"
+    if w.dtype is QDtype.INT4 and w.global_scale:  # int4_fp8 (the parser admits fp8 activations only)
+        return None
+    if a is None:
+        return f"{w.dtype.value} weight-only experts have no Quark MoE method (OCP-MX weights alone do)"
+    if w.dtype in (QDtype.FP8_E4M3, QDtype.INT8) and a is not None and a.dtype is w.dtype and not a_mx:
+        pair = (w.scale.granularity, a.scale.granularity)
+        if w.dtype is QDtype.FP8_E4M3 and pair in ((Granularity.TENSOR, Granularity.TENSOR),
+                                                   (Granularity.CHANNEL, Granularity.TOKEN)):
+            return None
+        if w.dtype is QDtype.INT8 and not w.zero_point and pair[0] in (Granularity.TENSOR, Granularity.CHANNEL) \
+                and (pair[1] is Granularity.TOKEN or (pair[1] is Granularity.TENSOR and not a.dynamic)):
+            return None
+        return {QDtype.FP8_E4M3: "FP8 experts run per-tensor weights with per-tensor activations, or per-channel "
+                                 "weights with dynamic per-token activations",
+                QDtype.INT8: "INT8 experts run symmetric per-tensor or per-channel weights with static per-tensor or "
+                             "dynamic per-token activations"}[w.dtype]
+    return "no Quark MoE method runs these weights and activations"
 
 
 # -- parsing -------------------------------------------------------------------------------------

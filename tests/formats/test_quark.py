@@ -152,6 +152,10 @@ SCHEMES = {
                              QuantScheme(W4A8, ActSpec(QDtype.FP8_E4M3, False, ScaleSpec(G.TENSOR))),
                              ["weight", "weight_scale_2", "weight_scale", "weight_zero_point_2", "input_scale"]),
 }
+# What vLLM's Quark MoE methods refuse for experts (QuarkMoEMethod.get_moe_method and the methods' checks)
+MOE_REFUSED = {"fp8_weight_only": "weight-only", "int8_asym_weight": "weight-only",
+               "w8a8_int8_per_tensor_weight": "INT8 experts run", "w_mxfp6_e3m2_a_fp8": "OCP-MX fp6_e3m2",
+               "w_mxfp8_a_mxfp8": "MXFP8"}
 
 
 @pytest.mark.parametrize("case", sorted(SCHEMES))
@@ -165,6 +169,18 @@ def test_schemes(case):
     assert len(unused) == (not scheme.weight.zero_point and scheme.weight.dtype in (QDtype.INT8, QDtype.INT4)) + \
         (scheme.act is not None and scheme.act.dtype is QDtype.INT8 and not scheme.act.dynamic)
     assert [t.int4_order for t in lq.tensors if t.int4_order] == ([(0, 2, 4, 6, 1, 3, 5, 7)] if "w4a8" in case else [])
+
+
+@pytest.mark.parametrize("case", sorted(SCHEMES))
+def test_moe_experts_take_the_reference_moe_schemes_only(case):
+    cfg = parse(SCHEMES[case][0])
+    if case not in MOE_REFUSED:
+        assert cfg.resolve(f"{L0}.mlp.experts", "moe").scheme == SCHEMES[case][1]
+        return
+    with pytest.raises(UnsupportedError, match=rf"^{L0}\.mlp\.experts: Quark MoE .*{MOE_REFUSED[case]}") as info:
+        cfg.resolve(f"{L0}.mlp.experts", "moe")
+    assert "exclude them" in info.value.fix
+    assert cfg.resolve(f"{L0}.mlp.down_proj").scheme == SCHEMES[case][1]  # a Linear takes it
 
 
 def test_int4_words_in_order_without_reorder():
