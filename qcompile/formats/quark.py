@@ -218,7 +218,8 @@ def _single(value: Any, where: str) -> dict | None:
 
 def _layer(cfg: Any, where: str, kv_layer: bool = False, int4_order: tuple[int, ...] = ()) -> LayerQuant | None:
     require_type(cfg, dict, where, "a layer quantization config", '{"weight": {...}, "input_tensors": ...}')
-    two_stage = isinstance(cfg.get("weight"), list)
+    two_stage = isinstance(cfg.get("weight"), list)  # checked first: the refusal of the others names the weight
+    w4a8 = _w4a8_weight(cfg["weight"], f"{where}.weight", int4_order) if two_stage else None
     weight = cfg["weight"] if two_stage else _single(cfg.get("weight"), f"{where}.weight")
     act = _single(cfg.get("input_tensors"), f"{where}.input_tensors")
     need(_single(cfg.get("bias"), f"{where}.bias") is None, f"{where}.bias", "bias quantization is not supported",
@@ -232,8 +233,7 @@ def _layer(cfg: Any, where: str, kv_layer: bool = False, int4_order: tuple[int, 
         need(act is None, f"{where}.weight", "activation-only quantization is not supported",
              "quantize the weights too", UnsupportedError)
         return None
-    wspec, tensors = _w4a8_weight(weight, f"{where}.weight", int4_order) if two_stage else \
-        _weight(_spec(weight, f"{where}.weight"), f"{where}.weight")
+    wspec, tensors = w4a8 or _weight(_spec(weight, f"{where}.weight"), f"{where}.weight")
     aspec, act_tensors = (None, ()) if act is None else _act(_spec(act, f"{where}.input_tensors"),
                                                              f"{where}.input_tensors")
     need(not two_stage or (aspec is not None and aspec.dtype is QDtype.FP8_E4M3 and aspec.scale.dtype is
