@@ -9,10 +9,13 @@ as ``w2_*`` (the layout of :mod:`qcompile.kernels.experts_ref`):
 
 =====================  =====================================================================
 weight codes           ``w13_weight`` [E, 2I, K'] (gate rows, then up rows), ``w2_weight`` [E, H, I']
-per-tensor scales      [E]: gate and up merged to their max, the other shard requantized (as vLLM)
+per-tensor scales      [E]: gate and up merged to their max, the other shard requantized (as vLLM;
+                       saved so: both shards with the max)
 channel / group /      [E, N] / [E, N, K/g] / [E, N/bn, K/bk]: gate's and up's concatenated
 block scales
-global weight scales   [E] (NVFP4): gate's; a different up one is warned about and not used (as vLLM)
+global weight scales   [E] (NVFP4): gate's; a different up one is warned about and not used (as vLLM).
+                       W4A8 (fp32 channel scales): the larger; the other shard's channel scales take
+                       the ratio (as vLLM)
 static input scales    0-d fp32: the max over experts and shards (as vLLM)
 act-order g_idx        [E, K]; gate and up must agree
 =====================  =====================================================================
@@ -29,7 +32,8 @@ Life cycle (driven by :mod:`qcompile.loading`), as :class:`~qcompile.linear.Quan
    so a load holds the stacked part plus the checkpoint pages not yet stacked, never a second copy of a
    layer (tests/test_moe_memory.py: the peak stays within 1.1x the loaded weights).
 3. :meth:`QuantExperts.finalize`: every expected tensor arrived; per-shard scalars merged as above.
-4. :meth:`QuantExperts.disk_tensors` (``save_pretrained``): the per-expert checkpoint tensors back.
+4. :meth:`QuantExperts.disk_tensors` (``save_pretrained``): the per-expert checkpoint tensors back (bit-equal
+   to the checkpoint's, but for experts whose gate and up were requantized to one scale).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from .kernels import experts_ref  # noqa: F401  (registers the op)
 from .kernels.experts_ref import ROLES, expert_slice
 from .linear import FLOATS, QuantLinear, _param, release_memory
 from .kernels import quant_math
-from .scheme import Granularity, LayerQuant, canonical_shape, parse_scheme_key
+from .scheme import Granularity, LayerQuant, ScaleDtype, canonical_shape, parse_scheme_key
 
 log = logging.getLogger("qcompile")
 
@@ -150,6 +154,7 @@ class QuantExperts(nn.Module):
         self.requantized: list[int] = []  # experts whose gate / up shard was requantized to a shared scale
         self.__dict__["slots"] = []  # every ExpertSlot, kept after loading for saving
         self.__dict__["per_shard"] = {}  # (group, role) -> [E, shards, ...] scalars / g_idx as loaded
+        self.__dict__["stored_scales"] = {}  # (expert, shard) -> w13 channel scales as loaded, where rescaled
         self.__dict__["stack"] = {}  # (group, role) -> the stacked tensor being filled
         self.__dict__["received"] = set()
         self.__dict__["hf_template"] = None  # the replaced HF module (meta), for dequantize_model
@@ -270,6 +275,8 @@ class QuantExperts(nn.Module):
                                       f"({self.disk_prefix}.{differ[0]}.{self.naming[0]}.weight_g_idx)",
                                       where=self.name, fix="the fused gate/up runs one column order; re-export")
             return gate.contiguous()
+        if role == "weight_global_scale" and self.lq.scheme.weight.scale.dtype is ScaleDtype.FP32:
+            return self._fold_global_scales(gate, up)
         if role == "weight_global_scale":
             differ = (~torch.isclose(gate, up)).nonzero().flatten().tolist()
             if differ:
@@ -285,6 +292,20 @@ class QuantExperts(nn.Module):
                                    fix="quantize gate and up with one per-tensor parameter")
         return gate.contiguous()
 
+    def _fold_global_scales(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """W4A8 (fp32 channel scales under a global one): the larger of gate's and up's global scales is
+        shared, the other shard's channel scales take the ratio (as vLLM); their stored values are kept
+        for saving."""
+        biggest = torch.maximum(gate, up)
+        scales = self.stack["w13", "weight_scale"]
+        rows = self.intermediate
+        for shard, own in enumerate((gate, up)):
+            for e in (own != biggest).nonzero().flatten().tolist():
+                part = scales[e, shard * rows:(shard + 1) * rows]
+                self.stored_scales[e, shard] = part.clone()
+                part.mul_(own[e] / biggest[e])
+        return biggest.contiguous()
+
     def _merge_tensor_scales(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         codes = self.stack["w13", "weight"]
         w = parse_scheme_key(self.scheme_key).weight
@@ -294,8 +315,9 @@ class QuantExperts(nn.Module):
                 raise UnsupportedError(f"expert {e}'s gate and up have different per-tensor scales and "
                                        f"{w.dtype.value} codes cannot be requantized", where=self.name,
                                        fix="quantize gate and up with one scale")
-            fused, _ = quant_math.requantize_to_max_scale([codes[e, :rows], codes[e, rows:]], [gate[e], up[e]])
+            fused, biggest = quant_math.requantize_to_max_scale([codes[e, :rows], codes[e, rows:]], [gate[e], up[e]])
             codes[e] = fused
+            gate[e] = up[e] = biggest  # the per-shard scales saved: the shared one (disk_tensors)
             self.requantized.append(e)
         if self.requantized:
             log.info("qcompile: %s: gate and up requantized to their larger scale for %d experts", self.name,
@@ -330,13 +352,9 @@ class QuantExperts(nn.Module):
     @torch.no_grad()
     def disk_tensors(self) -> dict[str, torch.Tensor]:
         """``{<e>.<projection>.<name>: tensor}`` relative to this module: every expert's checkpoint tensors as
-        the checkpoint stored them (the inverse of :meth:`receive` and :meth:`finalize`)."""
-        if self.requantized:
-            raise UnsupportedError(
-                f"the gate and up projections of {len(self.requantized)} experts (expert {self.requantized[0]}, "
-                "...) had different per-tensor scales and were requantized to one at load; their original codes "
-                "cannot be written back", where=self.name,
-                fix="save a checkpoint whose gate and up share their per-tensor scale (every producer writes one)")
+        the checkpoint stored them (the inverse of :meth:`receive` and :meth:`finalize`). Experts whose gate and
+        up were requantized to one per-tensor scale at load are written as the model holds them: the
+        requantized codes, the shared scale for both (a checkpoint that loads back to the same tensors)."""
         out = {}
         for slot in self.slots:
             leaf = self.naming[(0, 1, 2)[SHARDS.index((slot.group, slot.shard))]]
@@ -353,6 +371,8 @@ class QuantExperts(nn.Module):
 
     def _canonical_of(self, slot: ExpertSlot, role: str) -> torch.Tensor | None:
         """Expert ``slot.expert``'s canonical tensor of ``role`` for ``slot``'s shard, as loaded."""
+        if role == "weight_scale" and slot.group == "w13" and (slot.expert, slot.shard) in self.stored_scales:
+            return self.stored_scales[slot.expert, slot.shard]
         if (slot.group, role) in self.per_shard:
             return self.per_shard[slot.group, role][slot.expert, slot.shard]
         t = getattr(self, f"{slot.group}_{role}", None)

@@ -39,6 +39,8 @@ from .scheme import (Granularity, LayerQuant, Packing, QDtype, ScaleDtype, Tenso
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.int32, torch.int64)
 
+UNUSED_ROLES = ("unused_weight_zero_point", "unused_input_zero_point")  # checked zero, never read
+
 # The tensors QuantLinear.forward passes to the op, in the op's argument order.
 OP_ROLES = ("weight", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_g_idx",
             "input_scale", "input_global_scale")
@@ -62,7 +64,7 @@ def allowed_dtypes(role: str, lq: LayerQuant) -> tuple[torch.dtype, ...]:
         return FLOATS
     if role in ("weight_global_scale", "input_scale", "input_global_scale"):
         return FLOATS
-    if role in ("weight_zero_point", "weight_g_idx", "weight_shape"):
+    if role in ("weight_zero_point", "weight_g_idx", "weight_shape") or role in UNUSED_ROLES:
         return INTS + (torch.int8, torch.uint8)
     raise AssertionError(role)
 
@@ -197,11 +199,20 @@ class QuantLinear(nn.Module):
 
     def _to_canonical(self, spec: TensorSpec, t: torch.Tensor) -> torch.Tensor | None:
         """One checkpoint tensor as loaded -> its canonical form (scheme.py's conventions), checked; None for
-        ``weight_shape``, which is only checked. :meth:`_to_disk` is its exact inverse."""
+        ``weight_shape`` and the unused zero points, which are only checked. :meth:`_to_disk` is its exact
+        inverse."""
         n, k, scheme = self.out_features, self.in_features, self.lq.scheme
+        if spec.role in UNUSED_ROLES:  # all-zero words, whatever the packing
+            if bool((t != 0).any()):
+                raise CheckpointError(f"tensor {self.name}.{spec.name} holds nonzero zero points but the config "
+                                      "quantizes this layer symmetrically", where=self.name,
+                                      fix="set symmetric false in the quantization config, or re-export the layer")
+            return None
         if spec.packed_rows:
             t = quant_math.unpack_int32(t.reshape(disk_shape(spec, scheme, n, k)).t(), scheme.weight.dtype.bits, n).t()
             t = t.to(torch.int8)
+        if spec.int4_order:
+            t = quant_math.permute_int4_words(t, tuple(spec.int4_order.index(j) for j in range(8)))
         t = t.reshape(canonical_shape(spec.role, scheme, n, k))
         if spec.role == "weight_shape":  # compressed-tensors' record of the unpacked shape
             if t.tolist() != [n, k]:
@@ -223,6 +234,8 @@ class QuantLinear(nn.Module):
         """The inverse of :meth:`_to_canonical`: canonical ``t`` -> the tensor the checkpoint stored, in its
         dtype and shape. A reciprocal is written from the stored value while ``t`` is still its inverse."""
         n, k, disk = self.out_features, self.in_features, self.disk[spec.role]
+        if spec.role in UNUSED_ROLES:
+            return torch.zeros(disk.shape, dtype=disk.dtype)
         if spec.role == "weight_shape":
             t = torch.tensor([n, k])
         if spec.reciprocal:
@@ -231,6 +244,8 @@ class QuantLinear(nn.Module):
             t = stored.to(t.device) if same else 1.0 / t
         if spec.packed_rows:
             t = quant_math.pack_int32(t.reshape(n, -1).t(), self.lq.scheme.weight.dtype.bits).t()
+        if spec.int4_order:
+            t = quant_math.permute_int4_words(t, spec.int4_order)
         return t.to(disk.dtype).reshape(disk.shape).contiguous()
 
     def _tile_for_kernel(self) -> None:

@@ -172,6 +172,10 @@ ROLES = (
     "input_scale",  # static activation scale (per tensor)
     "input_global_scale",  # NVFP4 activation global scale
     "weight_shape",  # compressed-tensors pack-quantized: the unpacked [N, K], int64
+    # A symmetric scheme's all-zero zero points that a producer stores anyway (Quark): checked to be zero
+    # at load, never read, written back as zeros.
+    "unused_weight_zero_point",
+    "unused_input_zero_point",
 )
 
 
@@ -181,13 +185,16 @@ class TensorSpec:
     the module name). ``reciprocal``: the file stores 1/x of the canonical value. ``packed_rows``: the
     file stores int codes packed along dim 0 (out_features) like the weight's own words, 32/bits per
     int32 with offset 2^(bits-1), code i of a column at bits bits*(i % (32/bits)) of word i // (32/bits)
-    (compressed-tensors' asymmetric pack-quantized zero points); unpacked at load."""
+    (compressed-tensors' asymmetric pack-quantized zero points); unpacked at load. ``int4_order``: the
+    file's int32 words hold two's-complement int4 codes, nibble i holding code ``int4_order[i]`` of its
+    eight (Quark); converted to the canonical INT32 word at load and back when saving."""
 
     role: str
     name: str
     reciprocal: bool = False
     optional: bool = False
     packed_rows: bool = False
+    int4_order: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -215,7 +222,7 @@ def canonical_shape(role: str, scheme: QuantScheme, n: int, k: int) -> tuple[int
     w = scheme.weight
     if role == "weight":
         return (n, w.packing.storage_cols(k, w.dtype.bits))
-    if role in ("weight_scale", "weight_zero_point"):
+    if role in ("weight_scale", "weight_zero_point", "unused_weight_zero_point"):
         s = w.scale
         if s.granularity is Granularity.TENSOR:
             return ()
@@ -226,7 +233,7 @@ def canonical_shape(role: str, scheme: QuantScheme, n: int, k: int) -> tuple[int
         if s.granularity is Granularity.BLOCK:
             return (math.ceil(n / s.block[0]), math.ceil(k / s.block[1]))
         raise AssertionError(f"weight scale granularity {s.granularity} has no shape")
-    if role in ("weight_global_scale", "input_scale", "input_global_scale"):
+    if role in ("weight_global_scale", "input_scale", "input_global_scale", "unused_input_zero_point"):
         return ()
     if role == "weight_g_idx":
         return (k,)

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.gpu
 DATA = Path(__file__).parent / "data" / "checkpoints"
 FUSED = ["modelopt-fp8-moe", "llmcompressor-fp8-dynamic-moe", "llmcompressor-fp8-block-moe",
          "llmcompressor-fp8-dyntensor-moe", "llmcompressor-fp8-static-moe", "quark-w8a8-int8-moe",
-         "llmcompressor-fp8-dynamic-mixtral", "llmcompressor-fp8-block-deepseekv3"]
+         "llmcompressor-fp8-dynamic-mixtral", "llmcompressor-fp8-block-deepseekv3", "quark-w8a8-fp8-moe",
+         "quark-ptpc-fp8-moe", "quark-w8a8-int8-channel-moe"]
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128, 5, 300, 11]])
 
 

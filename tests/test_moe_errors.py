@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import qcompile
-from qcompile.errors import CheckpointError
+from qcompile.errors import CheckpointError, UnsupportedError
 
 QWEN = "llmcompressor-fp8-static-moe"  # per-tensor FP8, Qwen3-MoE names (gate_proj / up_proj / down_proj)
 MIXTRAL = "llmcompressor-fp8-dynamic-mixtral"  # per-channel FP8; llm-compressor names the experts gate/up/down_proj
@@ -88,3 +89,59 @@ def test_fewer_experts_on_disk_than_the_config(testdata, tmp_path):
     path = broken(testdata, tmp_path, QWEN, config=lambda c: c.update(num_experts=5, num_local_experts=5))
     with pytest.raises(CheckpointError, match=rf"{E0}\.4\.gate_proj\.weight.*missing"):
         qcompile.load(path)
+
+
+# -- Quark schemes vLLM's Quark MoE does not run: refused by qcompile, naming where and the fix ---------
+
+QUARK_INT8, QUARK_FP8 = "quark-w8a8-int8-moe", "quark-w8a8-fp8-moe"
+
+
+def quark_spec(dtype, qscheme, **kw):
+    """A tensor spec as amd-quark 0.13's qwen3_moe template writes it (the fields qcompile reads)."""
+    return {"dtype": dtype, "qscheme": qscheme, "is_dynamic": False, "ch_axis": None, "group_size": None,
+            "symmetric": True, "scale_format": None, "scale_type": "float", "is_scale_quant": False, **kw}
+
+
+# template scheme -> (weight, input_tensors), as amd-quark 0.13 exports them
+QUARK_REFUSED = {
+    "int4_wo_128": (quark_spec("int4", "per_group", ch_axis=-1, group_size=128), None),
+    "uint4_wo_128": (quark_spec("uint4", "per_group", ch_axis=-1, group_size=128, symmetric=False), None),
+    "nvfp4": ([quark_spec("fp4", "per_group", ch_axis=-1, group_size=16, symmetric=None, scale_format="float32",
+                          scale_type="float32"), quark_spec("fp8_e4m3", "per_tensor", scale_type="float32",
+                                                           is_scale_quant=True)],
+              [quark_spec("fp4", "per_group", ch_axis=-1, group_size=16, symmetric=None, is_dynamic=True,
+                          scale_format="float32", scale_type="float32"),
+               quark_spec("fp8_e4m3", "per_tensor", scale_type="float32", is_scale_quant=True)]),
+}
+
+
+@pytest.mark.parametrize("scheme", QUARK_REFUSED)
+def test_quark_schemes_without_a_moe_method_are_refused(testdata, tmp_path, scheme):
+    """As vLLM (no Quark Linear or MoE method takes them): int4 / uint4 weight-only, NVFP4."""
+    weight, inputs = QUARK_REFUSED[scheme]
+    path = broken(testdata, tmp_path, QUARK_INT8, config=lambda c: c["quantization_config"]["global_quant_config"]
+                  .update(weight=weight, input_tensors=inputs))
+    key = "weight" if scheme == "nvfp4" else "weight.dtype"
+    with pytest.raises(UnsupportedError, match=rf"^quantization_config\.global_quant_config\.{key}: .* Fix: ") as e:
+        qcompile.load(path)
+    assert ("int4_fp8" in e.value.fix) and ("NVFP4" in e.value.fix) == (scheme == "nvfp4")
+
+
+def test_quark_experts_with_a_mix_vllm_does_not_run_are_refused(testdata, tmp_path):
+    """Per-tensor FP8 weights with dynamic per-token activations: a Linear runs them, vLLM's Quark MoE
+    does not (per tensor with per tensor, or per channel with per token)."""
+    def config(c):
+        experts = copy.deepcopy(c["quantization_config"]["global_quant_config"])
+        experts["input_tensors"].update(qscheme="per_channel", ch_axis=1, is_dynamic=True)
+        c["quantization_config"]["layer_quant_config"] = {"*.experts.*": experts}
+    with pytest.raises(UnsupportedError, match=rf"^{E0}: Quark MoE experts quantized "
+                                               r"w=fp8_e4m3/tensor;a=fp8_e4m3/dynamic/token .*FP8 experts run"):
+        qcompile.load(broken(testdata, tmp_path, QUARK_FP8, config=config))
+
+
+def test_quark_nonzero_zero_point_of_a_symmetric_scheme(testdata, tmp_path):
+    def edit(s):
+        s[f"{E0}.1.up_proj.weight_zero_point"] = torch.tensor(3, dtype=torch.int8)
+    with pytest.raises(CheckpointError, match=rf"^{E0}\.1\.up_proj: tensor {E0}\.1\.up_proj\.weight_zero_point "
+                                              "holds nonzero zero points"):
+        qcompile.load(broken(testdata, tmp_path, QUARK_INT8, edit))

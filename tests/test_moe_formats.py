@@ -1,5 +1,7 @@
 """Every quantized MoE checkpoint format of the producers: loads quantized (QuantExperts), runs the
 reference op eagerly, matches the dequantized reference, compiles into one experts op per MoE layer.
+Every Quark MoE scheme also: compiled layer by layer, saved back (save_pretrained) bit for bit, and the
+experts kernel the registry picks on a CUDA sm_90 device (mocked).
 
 Checkpoints: tests/data/checkpoints (README there says which producer wrote each). Tolerances:
 
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -55,6 +59,12 @@ CASES = {
                                0.1),
     "quark-w-mxfp6-e2m3-moe": (QWEN_TINY, "w=fp6_e2m3/group32:e8m0/pack=uint8_fp6;a=fp6_e2m3/dynamic/group32:e8m0",
                                0.1),
+    "quark-w-mxfp4-a-mxfp6-e2m3-moe": (QWEN_TINY, "w=fp4_e2m1/group32:e8m0/pack=uint8;a=fp6_e2m3/dynamic/group32:e8m0",
+                                       0.15),
+    "quark-w8a8-fp8-moe": (QWEN_TINY, FP8_T, 0.06),
+    "quark-ptpc-fp8-moe": (QWEN_TINY, "w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token", 0.04),
+    "quark-w8a8-int8-channel-moe": (QWEN_TINY, "w=int8/channel;a=int8/dynamic/token", 0.02),
+    "quark-w-int4-a-fp8-moe": (QWEN_TINY, "w=int4/channel/pack=int32/global;a=fp8_e4m3/dynamic/tensor", 0.15),
     "modelopt-mxfp8-moe": (QWEN_TINY, "w=fp8_e4m3/group32:e8m0;a=fp8_e4m3/dynamic/group32:e8m0", 0.06),
     "llmcompressor-fp8-dynamic-mixtral": (MIXTRAL_TINY, "w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token", 0.04),
     "llmcompressor-w4a16-mixtral": (MIXTRAL_TINY, "w=int4/group128/pack=int32;a=none", 0.2),
@@ -242,3 +252,117 @@ experts_ref layers.1.mlp.experts w=fp4_e2m1/group32:e8m0/pack=uint8;a=none""")
 @pytest.mark.parametrize("name", ["llmcompressor-fp8-dynamic-mixtral", "llmcompressor-fp8-block-deepseekv3"])
 def test_other_architectures_compile_to_one_experts_op_per_layer(testdata, name):
     _compiled_ops(testdata, name)
+
+
+# -- every Quark MoE scheme: compiled, saved, and the kernel an sm_90 GPU would run ----------------
+
+QUARK = [name for name in CASES if name.startswith("quark-")]
+# The experts kernel of each on a CUDA sm_90 device: FP8 / INT8 W8A8 -> the Triton fused MoE; OCP-MX fp4 and
+# int4_fp8 -> the weight-only MoE (their activation quantization dropped, said in the explain row); MX fp6 weights
+# have no GPU kernel.
+SM90_KERNELS = {
+    "quark-w8a8-int8-moe": ("moe_triton", ""), "quark-w8a8-int8-channel-moe": ("moe_triton", ""),
+    "quark-w8a8-fp8-moe": ("moe_triton", ""), "quark-ptpc-fp8-moe": ("moe_triton", ""),
+    "quark-w-mxfp4-moe": ("wo_moe", ""), "quark-w-mxfp4-a-mxfp4-moe": ("wo_moe", "weight-only"),
+    "quark-w-mxfp4-a-fp8-moe": ("wo_moe", "weight-only"), "quark-w-mxfp4-a-mxfp6-e2m3-moe": ("wo_moe", "weight-only"),
+    "quark-w-int4-a-fp8-moe": ("wo_moe", "weight-only"),
+    "quark-w-mxfp6-e3m2-moe": ("reference", ""), "quark-w-mxfp6-e2m3-moe": ("reference", ""),
+}
+
+
+@pytest.mark.parametrize("name", QUARK)
+def test_compiled_quark_experts_match_the_dequantized_reference(testdata, name):
+    """Each MoE layer compiled alone (aot_eager): one experts op, the eager result exactly, so the
+    dequantized reference's (tolerance above)."""
+    for experts in experts_of(load(testdata, name)).values():
+        torch._dynamo.reset()
+        be = qcompile.backend(inner="aot_eager")
+        x, ids, weights = routed(experts)
+        with torch.no_grad():
+            got = torch.compile(experts, backend=be, fullgraph=True)(x, ids, weights)
+            assert torch.equal(got, experts(x, ids, weights))
+        assert [(r.op, r.kernel) for r in be.rows] == [("qcompile::experts_ref", "reference")], be.explain()
+        assert rel_err(got, dequantized_reference(experts, x, ids, weights)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["quark-w-mxfp4-a-mxfp6-e2m3-moe", "quark-w8a8-fp8-moe", "quark-ptpc-fp8-moe",
+                                  "quark-w8a8-int8-channel-moe", "quark-w-int4-a-fp8-moe"])
+def test_quark_moe_models_compile_to_one_experts_op_per_layer(testdata, name):
+    assert _compiled_ops(testdata, name).splitlines()[-1] == f"experts_ref layers.1.mlp.experts {CASES[name][1]}"
+
+
+def requantized_on_disk(path) -> tuple[set[str], set[str]]:
+    """The gate or up shards of FP8 / INT8 per-tensor experts whose scale is the smaller of the two
+    (requantized to the larger at load), read from the checkpoint: (their weight_scale, their weight)."""
+    scales, codes = set(), set()
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            weight = key[:-len("_scale")]
+            if key.endswith(".gate_proj.weight_scale") and f.get_slice(key).get_shape() in ([], [1]) and \
+                    f.get_slice(weight).get_dtype() in ("F8_E4M3", "I8"):
+                up = key.replace(".gate_proj.", ".up_proj.")
+                gate, upv = f.get_tensor(key).float(), f.get_tensor(up).float()
+                if not torch.equal(gate, upv):
+                    low = key if bool(gate < upv) else up
+                    scales.add(low)
+                    codes.add(low[:-len("_scale")])
+    return scales, codes
+
+
+@pytest.mark.parametrize("name", QUARK)
+def test_quark_moe_round_trips(testdata, name, tmp_path):
+    """save_pretrained writes the producer's tensors back bit for bit (names, dtypes, shapes, bytes; zero
+    points too) and its config; only the shard of an expert requantized to its partner's larger per-tensor
+    scale at load is written requantized (its scale, and its codes unless the ratio of the scales left them
+    all unchanged), and the saved checkpoint loads back to the same tensors."""
+    from safetensors.torch import load_file
+
+    from tests.test_roundtrip import _bytes, assert_same_weights
+
+    src = testdata / name
+    model = load(testdata, name)
+    model.save_pretrained(tmp_path)
+    want, got = load_file(src / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all((got[k].dtype, got[k].shape) == (t.dtype, t.shape) for k, t in want.items())
+    scales, codes = requantized_on_disk(src)
+    changed = {k for k, t in want.items() if _bytes(got[k]) != _bytes(t)}
+    assert scales <= changed <= scales | codes
+    assert bool(scales) == (name in ("quark-w8a8-int8-moe", "quark-w8a8-fp8-moe"))
+    config = [json.loads((d / "config.json").read_text())["quantization_config"] for d in (src, tmp_path)]
+    assert config[1] == config[0]
+    assert_same_weights(model, qcompile.load(str(tmp_path)))
+
+
+def sm90_rows(experts: QuantExperts, monkeypatch) -> list:
+    """Compile one QuantExperts with the Experts pass told the device is a CUDA sm_90 GPU (Triton
+    installed): the explain rows. Running then stops at a GPU kernel on CPU tensors, which says so."""
+    import dataclasses
+
+    from qcompile.errors import UnsupportedError
+    from qcompile.kernels import registry
+    from qcompile.passes import experts as pass_module
+
+    monkeypatch.setitem(registry._AVAILABLE, "triton", True)
+    query = pass_module.experts_query
+    monkeypatch.setattr(pass_module, "experts_query",
+                        lambda args: dataclasses.replace(query(args), device="cuda", capability=(9, 0)))
+    torch._dynamo.reset()
+    be = qcompile.backend(inner="eager")
+    x, ids, weights = routed(experts, tokens=3)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the weight-only warning (its explain row is asserted)
+            torch.compile(experts, backend=be, dynamic=False)(x.bfloat16(), ids, weights)
+    except UnsupportedError as e:
+        assert "needs CUDA tensors" in str(e)
+    return be.rows
+
+
+@pytest.mark.parametrize("name", QUARK)
+def test_quark_moe_kernel_on_sm90(testdata, name, monkeypatch):
+    kernel, reason = SM90_KERNELS[name]
+    experts = next(iter(experts_of(load(testdata, name)).values()))
+    rows = sm90_rows(experts, monkeypatch)
+    assert [r.kernel for r in rows] == [kernel]
+    assert reason in rows[0].reason and bool(reason) == bool(rows[0].reason)

@@ -96,6 +96,16 @@ def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+def permute_int4_words(words: torch.Tensor, source: tuple[int, ...]) -> torch.Tensor:
+    """int32 words of eight int4 codes: nibble j of the result is nibble ``source[j]`` of ``words`` with its
+    top bit flipped (two's complement <-> offset 8). From Quark's words (nibble i holds code order[i]) to
+    :func:`unpack_int32`'s with ``source`` the inverse of order; back with ``source`` = order."""
+    out = torch.zeros_like(words)
+    for j, i in enumerate(source):
+        out |= (((words >> (4 * i)) & 0xF) ^ 0x8) << (4 * j)
+    return out
+
+
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Inverse of the code step of :func:`unpack_e2m1`: e2m1 codes [N, K] (0..15) -> [N, K/2] uint8."""
     c = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2)

@@ -126,19 +126,34 @@ def modelopt(cfg_name: str):
     return run
 
 
-def quark(scheme: str, template: str = "qwen3_moe"):
+def quark(scheme, template: str = "qwen3_moe"):
+    """``scheme``: a name of the template's, or a function returning a Quark ``QLayerConfig`` (a custom
+    global config, for schemes the template does not name)."""
     def run(base: str, out: str) -> None:
         from llmcompressor.modeling.moe.linearize import linearize_moe
         from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors
 
         # Quark quantizes nn.Linear modules only: the fused experts are split into per-expert Linears first
         # (llm-compressor's linearize_moe), so that they are quantized and exported per expert.
-        config = LLMTemplate.get(template).get_config(scheme=scheme, exclude_layers=["lm_head", "*mlp.gate"])
+        name = scheme if isinstance(scheme, str) else "int8"
+        config = LLMTemplate.get(template).get_config(scheme=name, exclude_layers=["lm_head", "*mlp.gate"])
+        if not isinstance(scheme, str):
+            config.global_quant_config = scheme()
         quantizer = ModelQuantizer(config)
         model = quantizer.quantize_model(linearize_moe(load_base(base)), [c[None] for c in calibration()])
         model = quantizer.freeze(model)
         export_safetensors(model, out)
     return run
+
+
+def quark_int8_channel_token():
+    """INT8 W8A8 with per-channel weights and dynamic per-token activations (the template's ``int8`` is
+    per tensor), both symmetric."""
+    from quark.torch.quantization.config.config import Int8PerChannelSpec, QLayerConfig
+
+    return QLayerConfig(weight=Int8PerChannelSpec(ch_axis=0, symmetric=True).to_quantization_spec(),
+                        input_tensors=Int8PerChannelSpec(ch_axis=1, symmetric=True,
+                                                         is_dynamic=True).to_quantization_spec())
 
 
 def _ct_args(type_: str, bits: int, strategy: str, dynamic=False, group=None, block=None, symmetric=True,
@@ -168,6 +183,11 @@ PRODUCERS = {
     "quark-w-mxfp4-a-fp8-moe": ("base-bf16-qwen3moe-tiny", quark("mxfp4_fp8")),
     "quark-w-mxfp6-e3m2-moe": ("base-bf16-qwen3moe-tiny", quark("mxfp6_e3m2")),
     "quark-w-mxfp6-e2m3-moe": ("base-bf16-qwen3moe-tiny", quark("mxfp6_e2m3")),
+    "quark-w-mxfp4-a-mxfp6-e2m3-moe": ("base-bf16-qwen3moe-tiny", quark("mxfp4_mxfp6_e2m3")),
+    "quark-w8a8-fp8-moe": ("base-bf16-qwen3moe-tiny", quark("fp8")),
+    "quark-ptpc-fp8-moe": ("base-bf16-qwen3moe-tiny", quark("ptpc_fp8")),
+    "quark-w-int4-a-fp8-moe": ("base-bf16-qwen3moe-tiny", quark("int4_fp8")),
+    "quark-w8a8-int8-channel-moe": ("base-bf16-qwen3moe-tiny", quark(quark_int8_channel_token)),
     "llmcompressor-fp8-dynamic-mixtral": ("base-bf16-mixtral-tiny", llmcompressor("FP8_DYNAMIC", calibrate=False)),
     "llmcompressor-w4a16-mixtral": ("base-bf16-mixtral-tiny", llmcompressor("W4A16", calibrate=False)),
     "llmcompressor-fp8-block-deepseekv3": ("base-bf16-deepseekv3-tiny", llmcompressor("FP8_BLOCK", calibrate=False)),

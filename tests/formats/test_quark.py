@@ -100,6 +100,9 @@ def mx_w(dtype, packing):
 MXFP6_E3M2_W = mx_w(QDtype.FP6_E3M2, Packing.UINT8_FP6)
 MXFP6_E2M3_W = mx_w(QDtype.FP6_E2M3, Packing.UINT8_FP6)
 INT8_CHANNEL = WeightSpec(QDtype.INT8, ScaleSpec(G.CHANNEL))
+W4A8_WEIGHT = [spec("fp8_e4m3", scale_type="float32"),  # amd-quark 0.13's int4_fp8
+               spec("int4", "per_channel", ch_axis=0, scale_type="float32", observer_cls="PerChannelMinMaxObserver")]
+W4A8 = WeightSpec(QDtype.INT4, ScaleSpec(G.CHANNEL), Packing.INT32, global_scale=True)
 SCHEMES = {
     "w_mxfp4": (quark(mx("fp4")), QuantScheme(MXFP4_WEIGHT), ["weight", "weight_scale"]),
     "w_mxfp4_a_mxfp4": (quark(mx("fp4"), mx("fp4", True)), QuantScheme(MXFP4_WEIGHT, mx_act(QDtype.FP4_E2M1)),
@@ -122,14 +125,14 @@ SCHEMES = {
                         ["weight", "weight_scale"]),
     "w8a8_int8_token": (quark(spec("int8", "per_channel", ch_axis=0), spec("int8", "per_channel", True, ch_axis=1)),
                         QuantScheme(INT8_CHANNEL, ActSpec(QDtype.INT8, True, ScaleSpec(G.TOKEN))),
-                        ["weight", "weight_scale"]),
+                        ["weight", "weight_scale", "weight_zero_point"]),
     "w8a8_int8_static_tensor": (quark(spec("int8", "per_channel", ch_axis=0), spec("int8")),
                                 QuantScheme(INT8_CHANNEL, ActSpec(QDtype.INT8, False, ScaleSpec(G.TENSOR))),
-                                ["weight", "weight_scale", "input_scale"]),
+                                ["weight", "weight_scale", "weight_zero_point", "input_scale", "input_zero_point"]),
     "w8a8_int8_per_tensor_weight": (quark(spec("int8"), spec("int8", is_dynamic=True)),
                                     QuantScheme(WeightSpec(QDtype.INT8, ScaleSpec(G.TENSOR)),
                                                 ActSpec(QDtype.INT8, True, ScaleSpec(G.TENSOR))),
-                                    ["weight", "weight_scale"]),
+                                    ["weight", "weight_scale", "weight_zero_point"]),
     "int8_asym_weight": (quark(spec("int8", "per_channel", symmetric=False), None),
                          QuantScheme(WeightSpec(QDtype.INT8, ScaleSpec(G.CHANNEL), zero_point=True)),
                          ["weight", "weight_scale", "weight_zero_point"]),
@@ -142,7 +145,17 @@ SCHEMES = {
     "fp8_weight_only": (quark(spec("fp8_e4m3")), fp8_scheme("tensor", None), ["weight", "weight_scale"]),
     "fp8_is_dynamic_null_is_static": (quark(spec("fp8_e4m3"), spec("fp8_e4m3", is_dynamic=None)),
                                       fp8_scheme("tensor", "static_tensor"), ["weight", "weight_scale", "input_scale"]),
+    "w4a8_int4_fp8": (quark(W4A8_WEIGHT, spec("fp8_e4m3", is_dynamic=True, scale_type="float32")),
+                      QuantScheme(W4A8, ActSpec(QDtype.FP8_E4M3, True, ScaleSpec(G.TENSOR))),
+                      ["weight", "weight_scale_2", "weight_scale", "weight_zero_point_2"]),
+    "w4a8_int4_fp8_static": (quark(W4A8_WEIGHT, spec("fp8_e4m3")),
+                             QuantScheme(W4A8, ActSpec(QDtype.FP8_E4M3, False, ScaleSpec(G.TENSOR))),
+                             ["weight", "weight_scale_2", "weight_scale", "weight_zero_point_2", "input_scale"]),
 }
+# What vLLM's Quark MoE methods refuse for experts (QuarkMoEMethod.get_moe_method and the methods' checks)
+MOE_REFUSED = {"fp8_weight_only": "weight-only", "int8_asym_weight": "weight-only",
+               "w8a8_int8_per_tensor_weight": "INT8 experts run", "w_mxfp6_e3m2_a_fp8": "OCP-MX fp6_e3m2",
+               "w_mxfp8_a_mxfp8": "MXFP8"}
 
 
 @pytest.mark.parametrize("case", sorted(SCHEMES))
@@ -150,6 +163,47 @@ def test_schemes(case):
     config, scheme, tensor_names = SCHEMES[case]
     lq = parse(config).resolve(f"{L0}.mlp.down_proj")
     assert lq.scheme == scheme and names(lq) == tensor_names
+    # a symmetric int8 scale's zero point, which Quark stores all-zero: checked, not read
+    unused = [t for t in lq.tensors if t.role.startswith("unused_")]
+    assert all(t.optional and t.name.startswith(t.role[len("unused_"):]) for t in unused)
+    assert len(unused) == (not scheme.weight.zero_point and scheme.weight.dtype in (QDtype.INT8, QDtype.INT4)) + \
+        (scheme.act is not None and scheme.act.dtype is QDtype.INT8 and not scheme.act.dynamic)
+    assert [t.int4_order for t in lq.tensors if t.int4_order] == ([(0, 2, 4, 6, 1, 3, 5, 7)] if "w4a8" in case else [])
+
+
+@pytest.mark.parametrize("case", sorted(SCHEMES))
+def test_moe_experts_take_the_reference_moe_schemes_only(case):
+    cfg = parse(SCHEMES[case][0])
+    if case not in MOE_REFUSED:
+        assert cfg.resolve(f"{L0}.mlp.experts", "moe").scheme == SCHEMES[case][1]
+        return
+    with pytest.raises(UnsupportedError, match=rf"^{L0}\.mlp\.experts: Quark MoE .*{MOE_REFUSED[case]}") as info:
+        cfg.resolve(f"{L0}.mlp.experts", "moe")
+    assert "exclude them" in info.value.fix
+    assert cfg.resolve(f"{L0}.mlp.down_proj").scheme == SCHEMES[case][1]  # a Linear takes it
+
+
+def test_int4_words_in_order_without_reorder():
+    config = quark(W4A8_WEIGHT, spec("fp8_e4m3", is_dynamic=True))
+    config["export"]["pack_method"] = "order"
+    assert parse(config).resolve(f"{L0}.mlp.down_proj").tensor("weight").int4_order == tuple(range(8))
+
+
+def test_quark_int4_words_convert_exactly():
+    """Quark's int32 words (two's-complement codes, nibble i holding code order[i] of 8) -> the canonical
+    word (code j at nibble j, offset 8) and back, bit for bit."""
+    import torch
+
+    from qcompile.kernels.quant_math import permute_int4_words, unpack_int32
+
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+    codes = torch.randint(-8, 8, (6, 32), generator=torch.Generator().manual_seed(0))
+    words = torch.zeros(6, 4, dtype=torch.int32)
+    for i, element in enumerate(order):  # Quark's Pack_4_bits
+        words |= (codes[:, element::8] & 0xF).to(torch.int32) << (4 * i)
+    canonical = permute_int4_words(words, tuple(order.index(j) for j in range(8)))
+    assert torch.equal(unpack_int32(canonical, 4, 32), codes)
+    assert torch.equal(permute_int4_words(canonical, order), words)
 
 
 def test_unknown_informational_keys_are_allowed():
@@ -278,11 +332,23 @@ MALFORMED = [
     (KV_BAD, ConfigError, "kv_cache_quant_config.*v_proj.output_tensors"),
     # well-formed, not representable
     (edit(f"{GQ}.weight", [spec("fp8_e4m3"), spec("fp8_e4m3")]), UnsupportedError, f"{GQ}.weight"),
+    # amd-quark 0.13's nvfp4: fp4 per 16 (float32 scales), then an fp8 per-tensor scale of the scales
+    (edit(f"{GQ}.weight", [spec("fp4", "per_group", group_size=16, scale_format="float32"),
+                           spec("fp8_e4m3", is_scale_quant=True)]), UnsupportedError, f"{GQ}.weight"),
+    (edit(f"{GQ}.weight", [W4A8_WEIGHT[0], {**W4A8_WEIGHT[1], "ch_axis": 1}]), UnsupportedError, f"{GQ}.weight"),
+    (edit(f"{GQ}.weight", W4A8_WEIGHT, base=edit(f"{GQ}.input_tensors", spec("int8"))), UnsupportedError,
+     f"{GQ}.input_tensors"),
+    (edit(f"{GQ}.weight", W4A8_WEIGHT, base=edit(f"{GQ}.input_tensors", None)), UnsupportedError,
+     f"{GQ}.input_tensors"),
+    (edit(f"{GQ}.weight", [W4A8_WEIGHT[0], "int4"]), ConfigError, f"{GQ}.weight[1]"),
     (edit(f"{GQ}.input_tensors", [spec("fp8_e4m3")]), UnsupportedError, f"{GQ}.input_tensors"),
     (edit(f"{GQ}.output_tensors", spec("fp8_e4m3")), UnsupportedError, f"{GQ}.output_tensors"),
     (edit(f"{GQ}.bias", spec("int8")), UnsupportedError, f"{GQ}.bias"),
     (edit(f"{GQ}.weight.dtype", "uint8"), UnsupportedError, f"{GQ}.weight.dtype"),
     (edit(f"{GQ}.weight.dtype", "int4"), UnsupportedError, f"{GQ}.weight.dtype"),
+    # amd-quark 0.13's uint4_wo_128 (int4_wo_128: int4, symmetric)
+    (edit(f"{GQ}.weight", spec("uint4", "per_group", group_size=128, ch_axis=-1, symmetric=False)), UnsupportedError,
+     f"{GQ}.weight.dtype"),
     (edit(f"{GQ}.weight.dtype", "mx"), UnsupportedError, f"{GQ}.weight.dtype"),
     (edit(f"{GQ}.weight.symmetric", False), UnsupportedError, f"{GQ}.weight.symmetric"),
     (edit(f"{GQ}.weight", spec("fp4", "per_group", group_size=16, scale_format="float32")), UnsupportedError,

@@ -511,7 +511,7 @@ def test_gpu_cuda_graph_and_determinism(fmt):
 
 GPU_CHECKPOINTS = ["llmcompressor-w4a16-gptq-moe", "llmcompressor-w4a16-mixtral", "llmcompressor-w8a16-moe",
                    "llmcompressor-nvfp4a16-moe", "llmcompressor-nvfp4-moe", "modelopt-nvfp4-moe", "modelopt-mxfp8-moe",
-                   "quark-w-mxfp4-moe"]
+                   "quark-w-mxfp4-moe", "quark-w-mxfp4-a-mxfp6-e2m3-moe", "quark-w-int4-a-fp8-moe"]
 
 
 @pytest.mark.gpu
