@@ -187,6 +187,11 @@ def _check(scheme: str, activation: str) -> None:
                                fix=f"one of {list(ACTIVATIONS + NON_GATED)}")
 
 
+def _projections(args: dict) -> tuple[tuple, tuple]:
+    """The w13 and w2 tensors of an op call's arguments (by name), each in ROLES order."""
+    return tuple(tuple(args[f"{p}_{role}"] for role in ROLES) for p in ("w13", "w2"))
+
+
 @torch.library.custom_op(OP, mutates_args=())
 def experts_ref(
     hidden_states: torch.Tensor,
@@ -214,10 +219,7 @@ def experts_ref(
 ) -> torch.Tensor:
     _check(scheme, activation)
     lead, h = hidden_states.shape[:-1], hidden_states.shape[-1]
-    w13 = (w13_weight, w13_weight_scale, w13_weight_global_scale, w13_weight_zero_point, w13_weight_g_idx,
-           w13_input_scale, w13_input_global_scale)
-    w2 = (w2_weight, w2_weight_scale, w2_weight_global_scale, w2_weight_zero_point, w2_weight_g_idx,
-          w2_input_scale, w2_input_global_scale)
+    w13, w2 = _projections(locals())
     k = top_k_index.shape[-1]
     out = reference_experts(hidden_states.reshape(-1, h), top_k_index.reshape(-1, k), top_k_weights.reshape(-1, k), w13,
                             w2, w13_bias, w2_bias, activation, scheme, apply_router_weight_on_input)
@@ -273,10 +275,7 @@ def experts_backward(
     """(grad of hidden_states, grad of top_k_weights) of :func:`experts_ref` (:func:`reference_experts_grad`).
     An op, so that a compiled backward calls it as it is."""
     h, k = hidden_states.shape[-1], top_k_index.shape[-1]
-    w13 = (w13_weight, w13_weight_scale, w13_weight_global_scale, w13_weight_zero_point, w13_weight_g_idx,
-           w13_input_scale, w13_input_global_scale)
-    w2 = (w2_weight, w2_weight_scale, w2_weight_global_scale, w2_weight_zero_point, w2_weight_g_idx,
-          w2_input_scale, w2_input_global_scale)
+    w13, w2 = _projections(locals())
     gx, gr = reference_experts_grad(grad.reshape(-1, h), hidden_states.reshape(-1, h), top_k_index.reshape(-1, k),
                                     top_k_weights.reshape(-1, k), w13, w2, w13_bias, w2_bias, activation, scheme,
                                     apply_router_weight_on_input)
