@@ -210,6 +210,8 @@ if HAS_TRITON:
             r = y / (1.0 + tl.exp(-1.5957691216057308 * (y + 0.044715 * y * y * y)))
         elif ACT == 3:  # relu^2
             r = tl.maximum(y, 0.0) * tl.maximum(y, 0.0)
+        elif ACT == 5:  # gelu (erf)
+            r = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
         else:
             r = y
         return r

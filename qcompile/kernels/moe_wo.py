@@ -18,7 +18,8 @@ Arguments: those of ``qcompile::experts_ref`` (:mod:`experts_ref`) without the a
 2. GEMM 1: ``_wo_gemm_kernel`` in its GROUPED mode (:mod:`wo_gemm_triton`; each row block multiplies
    its expert's weights, decoded in registers, by the x rows of its pairs): fp32 h [split, T·k, N1],
    the bias added by the first K split; the splits summed.
-3. The activation (:func:`experts_ref.gated_activation`, torch ops) in fp32, rounded to x.dtype.
+3. ``_act_rows_kernel``: the splits summed and the activation (experts_ref.gated_activation's math) in
+   fp32, rounded to x.dtype: one launch.
 4. GEMM 2: the same kernel on w2, bias and router weight in its epilogue: fp32 [split, T·k, H].
 5. ``_moe_sum_kernel``: each token's k pairs and the K splits summed in a fixed order (no atomics,
    deterministic), one rounding to x.dtype.
@@ -34,7 +35,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..scheme import QuantScheme, parse_scheme_key
-from .experts_ref import ACTIVATIONS, NON_GATED, gated_activation, reference_experts
+from .experts_ref import ACTIVATIONS, NON_GATED, reference_experts
 from .fp8_quant_triton import HAS_TRITON, use_triton
 from .moe_kernels import moe_align
 from .registry import HALF, Kernel, KernelQuery, cuda_reason, register
@@ -43,8 +44,27 @@ from .wo_gemm import (_sm_count, dequantize_triton, launch, layout_of, pick_conf
 
 if HAS_TRITON:
     import triton
+    import triton.language as tl
 
-    from .moe_kernels import _moe_sum_kernel
+    from .moe_kernels import _epilogue, _moe_sum_kernel
+
+    @triton.jit
+    def _act_rows_kernel(h_ptr, a_ptr, N1, I, stride_hs, alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr,
+                         SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        # grid (pairs, cdiv(I, BLOCK)): a[p] = act(sum_s h[s, p, :I], sum_s h[s, p, I:]) in a's dtype; the K
+        # splits summed in order, then the fused MoE's epilogue math (no bias: GEMM 1 added it)
+        p = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < I
+        g = tl.zeros([BLOCK], dtype=tl.float32)
+        u = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            row = h_ptr + s * stride_hs + p * N1 + c
+            g += tl.load(row, mask=ok, other=0.0)
+            if GATED:
+                u += tl.load(row + I, mask=ok, other=0.0)
+        y = _epilogue(g, u, h_ptr, c, I, 1.0, alpha, limit, h_ptr, p, ok, ACT, GATED, False, False)
+        tl.store(a_ptr + p * I + c, y.to(a_ptr.dtype.element_ty), mask=ok)
 
 OP = "qcompile::wo_moe"
 BACKENDS = ("reference", "triton")
@@ -52,6 +72,8 @@ BACKENDS = ("reference", "triton")
 # bf16 GEMMs) runs the layer: the dense op's switch (wo_gemm.WO_MAX_M of int4 / int8).
 DEQUANT_ROWS = 128
 PROJECTIONS = ("gate/up projection w13", "down projection w2")
+# activation name (without _no_mul) -> the fused MoE kernels' activation code (moe_kernels._act_fn, _epilogue)
+ACT_CODES = {"silu": 1, "gelu_tanh": 2, "relu2": 3, "swigluoai": 4, "gelu": 5}
 
 
 def _pow2(n: int) -> int:
@@ -156,12 +178,25 @@ def wo_moe_triton(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: s
                                  grouped_config(pairs, e, h, i, spec.weight, x.device))
         align = moe_align(flat_ids, e, cfg1["BLOCK_M"])
         hid = _grouped_gemm(x, a_div, w13, b13, None, spec.weight, cfg1, align, pairs)
-        hid = hid[0] if hid.shape[0] == 1 else hid.sum(0)
-        act = gated_activation(hid, activation).to(x.dtype)
-        y = _grouped_gemm(act, 1, w2, b2, route, spec.weight, cfg2, align, pairs)
+        y = _grouped_gemm(activate(hid, activation, i, x.dtype), 1, w2, b2, route, spec.weight, cfg2, align, pairs)
     block_h = min(_pow2(h), 512)
     _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, flat_ids, out, h, e, y.stride(0), TOPK=k, SPLIT=y.shape[0],
                                                   CHECK_IDS=True, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def activate(hid: torch.Tensor, activation: str, i: int, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 h [split, pairs, N1] -> act(h summed over the splits) [pairs, I] in ``dtype``: one launch
+    (experts_ref.gated_activation's math in fp32, one rounding)."""
+    name, *params = activation.split(":")
+    gated = not name.endswith("_no_mul")
+    alpha, limit = (float(v) for v in params) if params else (0.0, 0.0)
+    split, pairs, n1 = hid.shape
+    out = torch.empty((pairs, i), dtype=dtype, device=hid.device)
+    block = min(_pow2(i), 1024)
+    _act_rows_kernel[(pairs, triton.cdiv(i, block))](hid, out, n1, i, hid.stride(0), alpha, limit,
+                                                       ACT=ACT_CODES[name.removesuffix("_no_mul")], GATED=gated,
+                                                       SPLIT=split, BLOCK=block, num_warps=4)
     return out
 
 
@@ -184,7 +219,7 @@ def _dequantized_experts(x, a_div: int, flat_ids, route, w13: tuple, w2: tuple, 
         return y if bias is None else y + bias[sorted_expert].float()
 
     hid = gemm(x[order // a_div], w13, h, b13)
-    y = gemm(gated_activation(hid, activation).to(x.dtype), w2, i, b2)
+    y = gemm(activate(hid.unsqueeze(0), activation, i, x.dtype), w2, i, b2)
     if route is not None:
         y = y * route[order].float()[:, None]
     return torch.empty_like(y).index_copy_(0, order, y).unsqueeze(0)

@@ -414,6 +414,18 @@ def test_grouped_kernels_compile_for_sm90(fmt, rows):
                   dict(common, BLOCK_N=32, BLOCK_K=16 * lay.epw))
 
 
+@pytest.mark.skipif(not mw.HAS_TRITON or not _ptxas_available(), reason="triton's NVIDIA backend / ptxas missing")
+@pytest.mark.parametrize("act", ["silu", "gelu", "swigluoai", "relu2_no_mul"])
+def test_activation_kernel_compiles_for_sm90(act):
+    """The activation kernel between the two GEMMs compiles for sm_90 (gelu's erf from libdevice)."""
+    from tests.kernels.test_wo_gemm import _compile_sm90
+
+    name = act.removesuffix("_no_mul")
+    _compile_sm90(mw._act_rows_kernel, dict(h_ptr="*fp32", a_ptr="*bf16", alpha="fp32", limit="fp32"),
+                  ("N1", "I", "stride_hs"), dict(ACT=mw.ACT_CODES[name], GATED=name == act, SPLIT=2, BLOCK=1024),
+                  num_warps=4)
+
+
 # -- on the GPU ------------------------------------------------------------------------------------
 
 GPU_TOKENS = (1, 4, 16, 64, 256)
