@@ -48,7 +48,8 @@ from qcompile.kernels import quant_math
 from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, NVFP4_WEIGHT, ActSpec, Granularity, Packing, QDtype,
                              QuantScheme, ScaleDtype, ScaleSpec, WeightSpec, fp8_scheme, parse_scheme_key)
 
-SHAPES = {"mixtral": (8, 4096, 14336, 2), "qwen3-30b-a3b": (128, 2048, 768, 8)}  # E, H, I, top-k
+SHAPES = {"mixtral": (8, 4096, 14336, 2), "qwen3-30b-a3b": (128, 2048, 768, 8),  # E, H, I, top-k
+          "gpt-oss-20b": (32, 2880, 2880, 4)}
 TINY = {"tiny": (8, 256, 192, 2)}
 TOKENS = (1, 4, 16, 64, 256, 4096)
 OURS = {
@@ -271,12 +272,12 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
         for t in tokens:
             x, ids, weights, used = routed_tokens(t, e, h, k, device)
             for label, dequant_rows in paths.items():
-                if mw.use_triton(x):
+                if label in WO_PATHS and mw.use_triton(x):  # one path forced, on the rule's configurations
                     fn = functools.partial(mw.wo_moe_triton, x, ids, weights, w13, w2, None, None, "silu", spec, False,
                                            dequant_rows=dequant_rows)
-                else:  # --dry-run on a CPU: the op's reference
+                else:  # the op as a model calls it (a measured choice where there is one); CPU: the reference
                     fn = functools.partial(torch.ops.qcompile.wo_moe, x, ids, weights, *w13, *w2, None, None, "silu",
-                                           scheme)
+                                           scheme, backend="triton" if mw.use_triton(x) else "reference")
                 us = _time(fn, t, replays, device)
                 floor = used * expert_bytes / (bw * 1e9) * 1e6
                 rows.append(dict(shape=name, tokens=t, row=label, us=us, experts_used=used, floor_us=round(floor, 1),

@@ -8,6 +8,11 @@ copy bandwidth measured at the start of the run).
 
     python benchmarks/tune_wo.py --formats "int4 g128" nvfp4 --out qcompile/kernels/tuned/
     python benchmarks/tune_wo.py --shapes 4096x4096 --m 1 16 --out /tmp/t  # a quick look
+
+``--moe SHAPE ...`` measures ``qcompile::wo_moe`` instead (the MoE expert shapes of benchmarks/bench_moe.py,
+formats of its weight-only rows, ``--tokens`` T buckets): the rule, dequantize + ``_grouped_mm``, and the
+grouped kernel's configurations by coordinate descent (``moe_wo.tune_call``); the floor is the stored bytes
+of the experts the routing touches.
 """
 
 from __future__ import annotations
@@ -59,6 +64,32 @@ def tune_shape(spec, n: int, k: int, ms, g: torch.Generator, bw: float, reps: in
     return entries
 
 
+def tune_moe(name: str, fmt: str, tokens, bw: float, reps: int) -> dict[str, dict]:
+    """Table entries of one weight-only format on one MoE expert shape, one per T."""
+    import bench_moe
+
+    from qcompile.kernels import moe_wo
+
+    e, h, i, k = bench_moe.SHAPES[name]
+    spec = moe_wo.parse_scheme_key(bench_moe.OURS_WO[fmt])
+    w13, w2 = (bench_moe.wo_expert_weights(spec.weight, e, n, kk, "cuda", j)
+               for j, (n, kk) in enumerate(((2 * i, h), (h, i))))
+    expert_bytes = sum(v.numel() * v.element_size() for ws in (w13, w2) for v in ws if v is not None) / e
+    entries = {}
+    for t in tokens:
+        x, ids, weights, used = bench_moe.routed_tokens(t, e, h, k, "cuda")
+        times = moe_wo.tune_call(x, ids, weights, w13, w2, None, None, "silu", spec, False, i, reps, keep=False)
+        choice = wo_tune.best(times)
+        policy = times[wo_tune.Choice("policy")]
+        floor = used * expert_bytes / bw * 1e6
+        entries[moe_wo._key(x, ids, w13, spec, i)] = {**choice.to_json(), "us": round(times[choice], 2),
+                                                      "policy_us": round(policy, 2)}
+        print(f"{name} {fmt} T={t:<5} rule {policy:8.1f} µs ({100 * floor / policy:5.1f} % of floor)   chosen "
+              f"{times[choice]:8.1f} µs ({100 * floor / times[choice]:5.1f} %, {len(times)} timed)  "
+              f"{json.dumps(choice.to_json())}", flush=True)
+    return entries
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
@@ -66,6 +97,11 @@ def main(argv=None) -> int:
     p.add_argument("--m", nargs="+", type=int, default=list(wo_tune.M_BUCKETS), help="M of each bucket")
     p.add_argument("--reps", type=int, default=20, help="timed calls per candidate (median)")
     p.add_argument("--out", type=Path, default=wo_tune.SHIPPED, help="folder of the tables (default: %(default)s)")
+    p.add_argument("--moe", nargs="+", default=None, metavar="SHAPE",
+                   help="tune qcompile::wo_moe on these expert shapes of bench_moe.py instead")
+    p.add_argument("--moe-formats", nargs="+", default=["int4 g128", "NVFP4"],
+                   help="with --moe: the weight-only rows of bench_moe.py, by their format word(s)")
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64], help="with --moe: T of each bucket")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -77,6 +113,17 @@ def main(argv=None) -> int:
     entries = json.loads(path.read_text())["entries"] if path.is_file() else {}
     bw = copy_bandwidth()
     print(f"{name}: copy bandwidth {bw / 1e12:.2f} TB/s (the floor: weight bytes at that rate)")
+    if args.moe:
+        import bench_moe
+
+        rows = {f: next(r for r in bench_moe.OURS_WO if f in r) for f in args.moe_formats}
+        for shape in args.moe:
+            for row in rows.values():
+                entries.update(tune_moe(shape, row, args.tokens, bw, args.reps))
+                torch.cuda.empty_cache()
+                wo_tune.write_table(path, name, entries)
+        print(f"wrote {path} ({len(entries)} entries)")
+        return 0
     g = torch.Generator(device="cuda").manual_seed(0)
     for fmt in args.formats:
         print(f"-- {fmt}")

@@ -39,6 +39,7 @@ from .experts_ref import ACTIVATIONS, NON_GATED, reference_experts
 from .fp8_quant_triton import HAS_TRITON, use_triton
 from .moe_kernels import moe_align
 from .registry import HALF, Kernel, KernelQuery, cuda_reason, register
+from . import wo_tune
 from .wo_gemm import (_sm_count, dequantize_triton, launch, layout_of, pick_config, splits, triton_shape_reason,
                       validate, wo_reason)
 
@@ -225,6 +226,101 @@ def _dequantized_experts(x, a_div: int, flat_ids, route, w13: tuple, w2: tuple, 
     return torch.empty_like(y).index_copy_(0, order, y).unsqueeze(0)
 
 
+# -- launch choices measured per shape (wo_tune's on-disk cache and shipped tables) ------------------
+
+TUNE_BLOCK_M = (16, 32, 64)  # shared by both GEMMs: one moe_align
+# one GEMM's launch parameters; "words": BLOCK_K in int32 words (x the format's elements per word)
+TUNE_AXES = {"BLOCK_N": (32, 64, 128), "words": (8, 16, 32), "SPLIT_K": (1, 2, 4, 8, 16), "num_warps": (4, 8),
+             "num_stages": (2, 3, 4)}
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")  # a GEMM's, and optional:
+CONFIG_FLAGS = ("SCALE_PREFETCH", "X_PERMUTED")
+NO_DEQUANT = 1 << 62  # dequant_rows that keeps every call on the grouped kernel
+
+
+def _route(choice: wo_tune.Choice | None) -> tuple[tuple[dict, dict] | None, int]:
+    """(configs, dequant_rows) of :func:`wo_moe_triton` for a choice: ``triton`` with its two GEMM
+    configurations, ``dequant`` (dequantize + ``_grouped_mm``), else (``policy``, none, or an entry this
+    version cannot read) the rule."""
+    if choice is not None and choice.route == "triton":
+        cfgs = tuple(choice.launch.get(g) for g in ("gemm1", "gemm2"))
+        if all(isinstance(c, dict) and set(CONFIG_KEYS) <= set(c) <= set(CONFIG_KEYS + CONFIG_FLAGS)
+               and all(isinstance(v, int) and v >= 0 for v in c.values()) for c in cfgs) \
+                and cfgs[0]["BLOCK_M"] == cfgs[1]["BLOCK_M"]:  # one moe_align serves both GEMMs
+            return cfgs, NO_DEQUANT
+    if choice is not None and choice.route == "dequant":
+        return None, 0
+    return None, DEQUANT_ROWS
+
+
+def _key(x, ids, w13: tuple, spec, i: int) -> str | None:
+    return wo_tune.moe_key(spec.weight, x.dtype, w13[0].shape[0], ids.shape[1], w13[0].shape[1], x.shape[1], i,
+                           x.shape[0])
+
+
+def plan(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, spec, on_input: bool,
+         i: int) -> tuple[tuple[dict, dict] | None, int]:
+    """How :func:`wo_moe_triton` runs this call on a GPU: the measured choice for its (format, shape, T
+    bucket), measured now where tuning is on (:func:`wo_tune.tune`) and none is known, else the rule."""
+    if not wo_tune.on_gpu(x):
+        return None, DEQUANT_ROWS
+    key = _key(x, ids, w13, spec, i)
+    choice = wo_tune.lookup(wo_tune.gpu_name(x), key)
+    if choice is None and key is not None and wo_tune.enabled() and wo_tune.can_measure(x):
+        choice = wo_tune.best(tune_call(x, ids, weights, w13, w2, b13, b2, activation, spec, on_input, i))
+    return _route(choice)
+
+
+def _with(choice: wo_tune.Choice, gemm: str | None, field: str, value) -> wo_tune.Choice:
+    """``choice`` with one launch parameter of one GEMM changed, or of both (``gemm`` None)."""
+    cfgs = {g: dict(c) for g, c in choice.launch.items()}
+    for g in (gemm,) if gemm else ("gemm1", "gemm2"):
+        cfgs[g][field] = value
+    return wo_tune.Choice("triton", cfgs)
+
+
+def tune_call(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, spec, on_input: bool, i: int,
+              reps: int = 20, keep: bool = True) -> dict:
+    """µs of this call's candidate launches: the rule, dequantize + ``_grouped_mm``, and the grouped
+    kernel from the rule's configurations by coordinate descent (BLOCK_M of both GEMMs, then each GEMM's
+    :data:`TUNE_AXES` one at a time). With ``keep`` the fastest goes into wo_tune's on-disk cache under
+    the call's T bucket."""
+    epw = layout_of(spec.weight).epw
+
+    def run(c):
+        cfgs, rows = _route(c)
+        return wo_moe_triton(x, ids, weights, w13, w2, b13, b2, activation, spec, on_input, cfgs, rows)
+
+    pairs, e, n1, h = ids.numel(), w13[0].shape[0], w13[0].shape[1], x.shape[1]
+    start = wo_tune.Choice("triton", {"gemm1": grouped_config(pairs, e, n1, h, spec.weight, x.device),
+                                      "gemm2": grouped_config(pairs, e, h, i, spec.weight, x.device)})
+    times = wo_tune.measure([wo_tune.Choice("policy"), wo_tune.Choice("dequant"), start], run, reps)
+    if start not in times:  # the rule's own launch does not run: nothing to descend from
+        return times
+    best = start
+
+    def fits(c):  # the kernel steps K by whole BLOCK_K
+        return all(kk % c.launch[g]["BLOCK_K"] == 0 for g, kk in (("gemm1", h), ("gemm2", i)))
+
+    def step(cands):
+        nonlocal best
+        cands = [c for c in cands if fits(c)]
+        times.update(wo_tune.measure([c for c in cands if c not in times], run, reps))
+        best = min((c for c in times if c.route == "triton" and c in cands + [best]), key=times.get)
+
+    step([_with(best, None, "BLOCK_M", bm) for bm in TUNE_BLOCK_M])
+    for g in ("gemm1", "gemm2"):
+        for field, values in TUNE_AXES.items():
+            step([_with(best, g, "BLOCK_K" if field == "words" else field, v * epw if field == "words" else v)
+                  for v in values])
+    if keep:
+        key = _key(x, ids, w13, spec, i)
+        choice = wo_tune.best(times)
+        if key is not None:
+            figures = {"us": round(times[choice], 2), "policy_us": round(times.get(wo_tune.Choice("policy"), 0.0), 2)}
+            wo_tune.store(wo_tune.gpu_name(x), key, choice, figures)
+    return times
+
+
 def _weight_only_key(spec: QuantScheme) -> str:
     return QuantScheme(spec.weight).key
 
@@ -278,8 +374,9 @@ def wo_moe(
         why = triton_shape_reason(spec.weight, n, kk)
         if why:
             raise UnsupportedError(f"backend 'triton': {what}: {why}", where=OP, fix="use backend='reference'")
-    out = wo_moe_triton(x2, ids, weights, w13, w2, w13_bias, w2_bias, activation, spec, apply_router_weight_on_input)
-    return out.reshape(*lead, h)
+    args = (x2, ids, weights, w13, w2, w13_bias, w2_bias, activation, spec, apply_router_weight_on_input)
+    configs, dequant_rows = plan(*args, i)
+    return wo_moe_triton(*args, configs, dequant_rows).reshape(*lead, h)
 
 
 @wo_moe.register_fake

@@ -43,10 +43,10 @@ class Choice:
     keywords of route ``mma``."""
 
     route: str
-    launch: dict = field(default_factory=dict)
+    launch: dict = field(default_factory=dict)  # JSON values (wo_moe: a Triton configuration per GEMM)
 
     def __hash__(self):
-        return hash((self.route, tuple(sorted(self.launch.items()))))
+        return hash((self.route, json.dumps(self.launch, sort_keys=True)))
 
     def to_json(self) -> dict:
         return {"route": self.route, "launch": self.launch} if self.launch else {"route": self.route}
@@ -70,12 +70,19 @@ def m_bucket(m: int) -> int | None:
 def key_of(spec: WeightSpec, x_dtype: torch.dtype, n: int, k: int, m: int) -> str | None:
     """``<scheme key>|<x dtype>|<N>x<K>|m<bucket>``; None above the last bucket."""
     b = m_bucket(m)
-    return None if b is None else _key(spec, x_dtype, n, k, b)
+    return None if b is None else _key(spec, x_dtype, n, f"x{k}", f"m{b}")
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every call
-def _key(spec: WeightSpec, x_dtype: torch.dtype, n: int, k: int, bucket: int) -> str:
-    return f"{QuantScheme(spec).key}|{str(x_dtype).removeprefix('torch.')}|{n}x{k}|m{bucket}"
+def _key(spec: WeightSpec, x_dtype: torch.dtype, shape, shape_tail: str, bucket: str) -> str:
+    return f"{QuantScheme(spec).key}|{str(x_dtype).removeprefix('torch.')}|{shape}{shape_tail}|{bucket}"
+
+
+def moe_key(spec: WeightSpec, x_dtype: torch.dtype, e: int, topk: int, n1: int, h: int, i: int, t: int) -> str | None:
+    """Key of a ``qcompile::wo_moe`` layer call (E experts, top-k, w13 [n1, h], w2 [h, i], T tokens):
+    ``<scheme key>|<x dtype>|moe E<e> k<topk> <n1>x<h> <h>x<i>|t<bucket>``; None above the last bucket."""
+    b = m_bucket(t)
+    return None if b is None else _key(spec, x_dtype, f"moe E{e} k{topk} {n1}x{h} {h}x{i}", "", f"t{b}")
 
 
 def file_name(gpu_name: str) -> str:
@@ -237,13 +244,23 @@ def candidates(spec: WeightSpec, m: int, mma_ok: bool, triton_ok: bool, capabili
     return out
 
 
+def _failures() -> tuple:
+    """What a candidate that cannot run raises: a launch the GPU refuses, a Triton configuration that does
+    not compile or fit."""
+    try:
+        from triton.errors import TritonError
+    except ImportError:
+        return RuntimeError, ValueError
+    return RuntimeError, ValueError, TritonError
+
+
 def measure(choices: list[Choice], run, reps: int = 20) -> dict[Choice, float]:
     """µs of each choice (``run(choice)`` runs the op that way); a choice that fails is left out."""
     out = {}
     for c in choices:
         try:
             out[c] = timer(lambda c=c: run(c), reps)
-        except (RuntimeError, ValueError):
+        except _failures():
             torch.cuda.synchronize()
     return out
 

@@ -282,6 +282,86 @@ def test_compiled_w4a4_moe_runs_weight_only_and_says_so(testdata, monkeypatch):
     assert any("runs weight-only on sm_90 (wo_moe)" in c for c in caught), caught
 
 
+# -- measured launch choices (wo_tune's tables) -------------------------------------------------------
+
+GPU_NAME = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.fixture
+def on_gpu_tables(tmp_path, monkeypatch):
+    """plan() as on a GPU named GPU_NAME, with an empty on-disk cache and shipped table folder."""
+    from qcompile.kernels import wo_tune
+
+    monkeypatch.setenv("QCOMPILE_TUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(wo_tune, "SHIPPED", tmp_path / "shipped")
+    monkeypatch.setattr(wo_tune, "on_gpu", lambda x: True)
+    monkeypatch.setattr(wo_tune, "gpu_name", lambda x: GPU_NAME)
+    wo_tune.clear()
+    yield wo_tune
+    wo_tune.clear()
+
+
+def _plan_args(fmt="int4_g128", t=3):
+    a = make_moe(fmt, t=t)
+    spec = mw.parse_scheme_key(a["scheme"])
+    w13, w2 = (tuple(a[f"{p}_{r}"] for r in W_ROLES) for p in ("w13", "w2"))
+    return (a["hidden_states"], a["top_k_index"], a["top_k_weights"], w13, w2, None, None, "silu", spec, False, 128)
+
+
+def test_plan_reads_measured_choices(on_gpu_tables):
+    """A table entry decides the call's launch: the grouped kernel with its two configurations, the
+    dequantize path, or the rule (policy, an unreadable entry, no entry, tuning off)."""
+    wo_tune = on_gpu_tables
+    args = _plan_args()
+    key = mw._key(args[0], args[1], args[3], args[8], 128)
+    assert key.endswith("|bfloat16|moe E4 k2 256x128 128x128|t4"), key
+    cfg = _cfg(32, 64, 16, 2)
+    rule = (None, mw.DEQUANT_ROWS)
+    for entry, want in (({"route": "triton", "launch": {"gemm1": cfg, "gemm2": cfg}}, ((cfg, cfg), mw.NO_DEQUANT)),
+                        ({"route": "dequant"}, (None, 0)), ({"route": "policy"}, rule),
+                        ({"route": "triton", "launch": {"gemm1": {"BLOCK_M": 16}}}, rule),
+                        ({"route": "triton", "launch": {"gemm1": cfg, "gemm2": _cfg(16, 64, 16, 2)}}, rule)):
+        wo_tune.write_table(wo_tune.SHIPPED / wo_tune.file_name(GPU_NAME), GPU_NAME, {key: entry})
+        wo_tune.clear()
+        assert mw.plan(*args) == want, entry
+    assert mw.plan(*_plan_args(t=9)) == rule  # another T bucket: no entry, tuning off
+
+
+def test_tune_call_descends_and_stores(on_gpu_tables, monkeypatch):
+    """The coordinate descent starts at the rule's configurations, keeps the fastest candidate of each
+    axis (here: a made-up cost that prefers BLOCK_M 32, GEMM 1 split 4 and GEMM 2 BLOCK_N 32), and stores
+    the winner under the call's T bucket; plan() then runs it without measuring."""
+    wo_tune = on_gpu_tables
+    timed = []
+
+    def cost(c):
+        if c.route != "triton":
+            return 50.0
+        g1, g2 = c.launch["gemm1"], c.launch["gemm2"]
+        return (10.0 + (g1["BLOCK_M"] != 32) + (g1["SPLIT_K"] != 4) + (g2["BLOCK_N"] != 32)
+                + 0.01 * g1["num_stages"])
+
+    def fake_measure(choices, run, reps=20):
+        timed.extend(choices)
+        return {c: cost(c) for c in choices}
+
+    monkeypatch.setattr(wo_tune, "measure", fake_measure)
+    monkeypatch.setattr(wo_tune, "can_measure", lambda x: True)
+    wo_tune.tune(True)
+    try:
+        args = _plan_args()
+        (g1, g2), rows = mw.plan(*args)
+    finally:
+        wo_tune.tune(False)
+    assert rows == mw.NO_DEQUANT and g1["BLOCK_M"] == g2["BLOCK_M"] == 32
+    assert g1["SPLIT_K"] == 4 and g2["BLOCK_N"] == 32 and g1["num_stages"] == 2
+    assert len(timed) == len(set(timed)) > 20  # every candidate timed once
+    n = len(timed)
+    assert mw.plan(*args) == ((g1, g2), mw.NO_DEQUANT) and len(timed) == n  # from the cache now
+    stored = json.loads((wo_tune.cache_dir() / wo_tune.file_name(GPU_NAME)).read_text())["entries"]
+    assert list(stored) == [mw._key(args[0], args[1], args[3], args[8], 128)]
+
+
 # -- the Triton kernels under the interpreter (subprocess: TRITON_INTERPRET is read at import) --------
 
 def _cfg(bm, bn, words, split, **kw):
