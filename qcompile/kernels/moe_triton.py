@@ -64,16 +64,15 @@ from .fp8_quant_triton import HAS_TRITON, interpreting, use_triton
 from .moe_config import (ACTIVATIONS, OP, GemmConfig, MoeConfig, MoeQuant, get_config, moe_quant,
                          normalize_config, tune)  # noqa: F401 - tune: part of this module's interface
 from .registry import Kernel, KernelQuery, cuda_reason, register
-from .moe_kernels import A_CODES, A_DYNAMIC, A_STATIC, G_BLOCK, G_ROW, G_TENSOR, moe_align
+from .moe_kernels import A_CODES, A_DYNAMIC, A_STATIC, G_BLOCK, G_ROW, G_TENSOR, INT8_MIN_SCALE, moe_align
 
 if HAS_TRITON:
     import triton
 
-    from .moe_kernels import _moe_gemm_kernel, _moe_sum_kernel, _quant_rows_kernel
+    from .moe_kernels import _moe_gemm_kernel, _moe_sum_kernel
 
 BACKENDS = ("reference", "triton")
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's swigluoai constants
-INT8_MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row must not divide by zero
 
 
 def _check_inputs(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, b13, b2,
@@ -135,12 +134,11 @@ def _act_operand(a: torch.Tensor, q: MoeQuant, static_scale, fuse: bool):
     if fuse or (q.a_gran == G_BLOCK and a.shape[1] % 128):  # partial last group: the prologue only
         mode = A_STATIC if q.a_static else A_DYNAMIC
         return a, static_scale if q.a_static else a, mode, 0, 0
-    if q.int8:
-        m, k = a.shape
-        codes = torch.empty((m, k), dtype=torch.int8, device=a.device)
-        scale = static_scale if q.a_static else torch.empty(m, dtype=torch.float32, device=a.device)
-        _quant_rows_kernel[(m,)](a, codes, scale, k, INT8=True, STATIC=q.a_static, NATIVE_FP8=False,
-                                 BLOCK_K=min(_pow2(k), 4096), num_warps=4)
+    if q.int8:  # static per tensor, or dynamic per token with the MoE's least scale
+        if q.a_static:
+            codes, scale = fq.quantize_static_tensor(a, static_scale, int8=True)
+        else:
+            codes, scale = fq.quantize_dynamic_token(a, int8=True, int8_min_scale=INT8_MIN_SCALE)
         return codes, scale, A_CODES, 1, 0
     codes, scale = fq.quantize(a, q.scheme.act, static_scale)
     if q.a_gran == G_TENSOR:
