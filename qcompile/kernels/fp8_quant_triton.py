@@ -93,9 +93,10 @@ if HAS_TRITON:
         return code
 
     @triton.jit
-    def _scale_from_amax(amax, INT8: tl.constexpr):
+    def _scale_from_amax(amax, INT8: tl.constexpr, INT8_MIN_SCALE: tl.constexpr = 1.0 / (448.0 * 512.0)):
+        """amax / 448 (fp8, at least 1/(448*512)) or amax / 127 (int8, at least INT8_MIN_SCALE)."""
         if INT8:
-            s = tl.maximum(tl.math.div_rn(amax, 127.0), 1.0 / (448.0 * 512.0))
+            s = tl.maximum(tl.math.div_rn(amax, 127.0), INT8_MIN_SCALE)
         else:
             s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
         return s
@@ -104,7 +105,7 @@ if HAS_TRITON:
     def _static_tensor_kernel(x_ptr, q_ptr, s_ptr, M, K,
                               BLOCK_K: tl.constexpr, NATIVE_FP8: tl.constexpr, INT8: tl.constexpr):
         # grid (rows, cdiv(K, BLOCK_K)); rows >= M are written as zeros
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         in_k = cols < K
         row_ok = (cols * 0 + row) < M  # broadcast explicitly (the interpreter rejects a scalar mask)
@@ -113,16 +114,16 @@ if HAS_TRITON:
         tl.store(q_ptr + row * K + cols, _quant(x, s, NATIVE_FP8, INT8), mask=in_k)
 
     @triton.jit
-    def _dynamic_token_kernel(x_ptr, q_ptr, s_ptr, K,
-                              BLOCK_K: tl.constexpr, NATIVE_FP8: tl.constexpr, INT8: tl.constexpr):
+    def _dynamic_token_kernel(x_ptr, q_ptr, s_ptr, K, BLOCK_K: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                              INT8: tl.constexpr, INT8_MIN_SCALE: tl.constexpr):
         # grid (M,): amax over the row, then quantize it (the second pass re-reads from L1/L2)
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_K)
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + row * K + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        s = _scale_from_amax(tl.max(amax, axis=0), INT8)
+        s = _scale_from_amax(tl.max(amax, axis=0), INT8, INT8_MIN_SCALE)
         tl.store(s_ptr + row, s)
         for k0 in range(0, K, BLOCK_K):
             m = k0 + offs < K
@@ -214,16 +215,18 @@ def quantize_static_tensor(x: torch.Tensor, scale: torch.Tensor, rows: int | Non
     return q, scale
 
 
-def quantize_dynamic_token(x: torch.Tensor, native: bool | None = None, int8: bool = False):
-    """x [M, K] contiguous -> (q [M, K] fp8 (int8), scale [M, 1])."""
+def quantize_dynamic_token(x: torch.Tensor, native: bool | None = None, int8: bool = False,
+                           int8_min_scale: float = MIN_SCALE):
+    """x [M, K] contiguous -> (q [M, K] fp8 (int8), scale [M, 1]). ``int8_min_scale``: the least int8
+    scale (the fused MoE's is the smallest normal fp32)."""
     m, k = x.shape
     if not use_triton(x):
-        return _torch_dynamic(x, Granularity.TOKEN, int8)
+        return _torch_dynamic(x, Granularity.TOKEN, int8, int8_min_scale)
     q = torch.empty((m, k), dtype=_code_dtype(int8), device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = min(_pow2(k), 8192)
     _dynamic_token_kernel[(m,)](x, _bytes_view(q), scale, k, BLOCK_K=block, NATIVE_FP8=_native_fp8(x, native),
-                                INT8=int8, num_warps=8 if block >= 4096 else 4)
+                                INT8=int8, INT8_MIN_SCALE=int8_min_scale, num_warps=8 if block >= 4096 else 4)
     return q, scale
 
 
@@ -271,11 +274,11 @@ def _code_dtype(int8: bool) -> torch.dtype:
     return torch.int8 if int8 else FP8
 
 
-def _torch_dynamic(x: torch.Tensor, granularity: Granularity, int8: bool):
+def _torch_dynamic(x: torch.Tensor, granularity: Granularity, int8: bool, int8_min_scale: float = MIN_SCALE):
     if int8:
         spec = QDtype.INT8
         amax = x.float().abs().amax() if granularity is Granularity.TENSOR else x.float().abs().amax(-1, keepdim=True)
-        scale = (amax / torch.full_like(amax, spec.max)).clamp(min=MIN_SCALE)
+        scale = (amax / torch.full_like(amax, spec.max)).clamp(min=int8_min_scale)
         return quant_math.quantize_int8(x, scale), scale
     scale = quant_math.dynamic_fp8_scale(x, granularity)
     return quant_math.quantize_fp8(x, scale), scale

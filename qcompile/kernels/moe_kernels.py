@@ -23,7 +23,8 @@ pair's slot is its expert's start + the pairs of that expert in earlier chunks +
 chunk (a one-hot ``[chunk, E]`` prefix sum), so the order is deterministic.
 
 ``_moe_gemm_kernel``: the grouped GEMM of both expert projections (module doc of :mod:`moe_triton`);
-``_quant_rows_kernel``: INT8 activation quantization; ``_moe_sum_kernel``: the top-k sum.
+``_moe_sum_kernel``: the top-k sum. Activations quantized outside the GEMM go through
+:mod:`fp8_quant_triton`'s kernels (INT8 with :data:`INT8_MIN_SCALE`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .fp8_quant_triton import _quant as _fp8_bits
-    from .fp8_quant_triton import _scale_from_amax as _fp8_scale
+    from .fp8_quant_triton import _quant as _code_bits
+    from .fp8_quant_triton import _scale_from_amax as _dense_scale_from_amax
 
 # one-hot tiles [chunk, E] of at most this many int32 elements per program (16 warps: 32 registers a thread)
 ONEHOT_ELEMS = 16384
@@ -189,18 +190,21 @@ def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) 
     return sorted_ids.to(topk_ids.device), block_expert.to(topk_ids.device)
 
 
-# -- the grouped GEMM, the top-k sum, row quantization ----------------------------------------------
+# -- the grouped GEMM, the top-k sum ---------------------------------------------------------------
 
 # scale granularity codes of the GEMM: one scale, one per row (channel / token), per 128-block / group
 G_TENSOR, G_ROW, G_BLOCK = range(3)
 # how the kernel gets its A operand: quantized codes, or x.dtype quantized in the prologue
 A_CODES, A_STATIC, A_DYNAMIC = range(3)
+# the least dynamic INT8 activation scale: the smallest normal fp32 (an all-zero row must not divide by zero)
+INT8_MIN_SCALE = torch.finfo(torch.float32).tiny
 
 if HAS_TRITON:
     _G_TENSOR = tl.constexpr(G_TENSOR)
     _G_ROW = tl.constexpr(G_ROW)
     _G_BLOCK = tl.constexpr(G_BLOCK)
     _A_CODES = tl.constexpr(A_CODES)
+    _INT8_MIN_SCALE = tl.constexpr(INT8_MIN_SCALE)
 
     @triton.jit
     def _act_fn(y, ACT: tl.constexpr):
@@ -218,22 +222,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _scale_from_amax(amax, INT8: tl.constexpr):
-        if INT8:
-            s = tl.maximum(tl.math.div_rn(amax, 127.0), 1.1754943508222875e-38)
-        else:
-            s = _fp8_scale(amax, False)
-        return s
+        """The dense linears' dynamic scale, with the MoE's least INT8 scale."""
+        return _dense_scale_from_amax(amax, INT8, _INT8_MIN_SCALE)
 
     @triton.jit
     def _quantize(x, s, INT8: tl.constexpr, NATIVE_FP8: tl.constexpr):
         """fp32 x / s -> int8 (round half even, saturating) or float8e4nv codes; bit-exact with torch."""
-        if INT8:
-            y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -128.0), 127.0)
-            r = (tl.abs(y) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # RTNE of |y| <= 128
-            q = tl.where(y < 0, -r, r).to(tl.int8)
-        else:
-            q = _fp8_bits(x, s, NATIVE_FP8, False).to(tl.float8e4nv, bitcast=True)
-        return q
+        return _code_bits(x, s, NATIVE_FP8, INT8).to(tl.int8 if INT8 else tl.float8e4nv, bitcast=True)
 
     @triton.jit
     def _outer(a_s, w_s, A_VEC: tl.constexpr, W_VEC: tl.constexpr, SWAP: tl.constexpr):
@@ -434,26 +429,6 @@ if HAS_TRITON:
         if ROUTE:
             y = y * tl.load(route_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)[:, None]
         return y
-
-    @triton.jit
-    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, INT8: tl.constexpr, STATIC: tl.constexpr,
-                           NATIVE_FP8: tl.constexpr, BLOCK_K: tl.constexpr):
-        # grid (M,): one row, static per-tensor or dynamic per-row scale s[M]
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK_K)
-        if STATIC:
-            s = tl.load(s_ptr)
-        else:
-            amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                x = tl.load(x_ptr + row * K + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(x))
-            s = _scale_from_amax(tl.max(amax, 0), INT8)
-            tl.store(s_ptr + row, s)
-        for k0 in range(0, K, BLOCK_K):
-            m = k0 + offs < K
-            x = tl.load(x_ptr + row * K + k0 + offs, mask=m, other=0.0).to(tl.float32)
-            tl.store(q_ptr + row * K + k0 + offs, _quantize(x, s, INT8, NATIVE_FP8), mask=m)
 
     @triton.jit
     def _moe_sum_kernel(part_ptr, ids_ptr, out_ptr, H, E, stride_ps,

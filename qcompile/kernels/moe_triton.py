@@ -6,7 +6,8 @@ Math (:func:`fused_moe_reference`, fp32; also the CPU path): for each token ``t`
     h   = act(qdq(x_t) @ deq(w13[e]).T + b13[e]) gated: act(h[:I]) * h[I:] (w13 rows: gate, then up)
     y   = qdq(h) @ deq(w2[e]).T + b2[e]          h held in x.dtype between the GEMMs, as vLLM does
     out_t = sum_j topk_weights[t, j] * y         (with apply_router_weight_on_input the weight
-                                                  multiplies x_t before the first GEMM instead)
+                                                  multiplies x_t before the first GEMM instead:
+                                                  x_t * w in fp32, rounded to x.dtype)
 
 ``qdq`` quantizes activations as the scheme says (a :class:`~qcompile.scheme.QuantScheme` key):
 
@@ -64,16 +65,15 @@ from .fp8_quant_triton import HAS_TRITON, interpreting, use_triton
 from .moe_config import (ACTIVATIONS, OP, GemmConfig, MoeConfig, MoeQuant, get_config, moe_quant,
                          normalize_config, tune)  # noqa: F401 - tune: part of this module's interface
 from .registry import Kernel, KernelQuery, cuda_reason, register
-from .moe_kernels import A_CODES, A_DYNAMIC, A_STATIC, G_BLOCK, G_ROW, G_TENSOR, moe_align
+from .moe_kernels import A_CODES, A_DYNAMIC, A_STATIC, G_BLOCK, G_ROW, G_TENSOR, INT8_MIN_SCALE, moe_align
 
 if HAS_TRITON:
     import triton
 
-    from .moe_kernels import _moe_gemm_kernel, _moe_sum_kernel, _quant_rows_kernel
+    from .moe_kernels import _moe_gemm_kernel, _moe_sum_kernel
 
 BACKENDS = ("reference", "triton")
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's swigluoai constants
-INT8_MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row must not divide by zero
 
 
 def _check_inputs(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, b13, b2,
@@ -135,12 +135,11 @@ def _act_operand(a: torch.Tensor, q: MoeQuant, static_scale, fuse: bool):
     if fuse or (q.a_gran == G_BLOCK and a.shape[1] % 128):  # partial last group: the prologue only
         mode = A_STATIC if q.a_static else A_DYNAMIC
         return a, static_scale if q.a_static else a, mode, 0, 0
-    if q.int8:
-        m, k = a.shape
-        codes = torch.empty((m, k), dtype=torch.int8, device=a.device)
-        scale = static_scale if q.a_static else torch.empty(m, dtype=torch.float32, device=a.device)
-        _quant_rows_kernel[(m,)](a, codes, scale, k, INT8=True, STATIC=q.a_static, NATIVE_FP8=False,
-                                 BLOCK_K=min(_pow2(k), 4096), num_warps=4)
+    if q.int8:  # static per tensor, or dynamic per token with the MoE's least scale
+        if q.a_static:
+            codes, scale = fq.quantize_static_tensor(a, static_scale, int8=True)
+        else:
+            codes, scale = fq.quantize_dynamic_token(a, int8=True, int8_min_scale=INT8_MIN_SCALE)
         return codes, scale, A_CODES, 1, 0
     codes, scale = fq.quantize(a, q.scheme.act, static_scale)
     if q.a_gran == G_TENSOR:
@@ -207,8 +206,9 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale
     ids = topk_ids.reshape(-1).contiguous()
     route = topk_weights.reshape(-1).contiguous()
     rows = (None, ids) if cfg.per_pair else moe_align(topk_ids, e, cfg.block_m)
-    if apply_router_weight_on_input:  # the weight scales each pair's copy of x before quantization
-        a1, a_div, route2 = (x.float().unsqueeze(1) * topk_weights.float().unsqueeze(2)).reshape(p, h), 1, None
+    if apply_router_weight_on_input:  # the weight scales each pair's copy of x, rounded to x.dtype
+        a1 = (x.float().unsqueeze(1) * topk_weights.float().unsqueeze(2)).reshape(p, h).to(x.dtype)
+        a_div, route2 = 1, None
     else:
         a1, a_div, route2 = x, k, route
     common = dict(q=q, per_pair=cfg.per_pair, block_m=cfg.block_m, num_pairs=p)
@@ -286,7 +286,11 @@ def fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
                         scheme: str, activation: str = "silu", apply_router_weight_on_input: bool = False,
                         b13=None, b2=None, swiglu_alpha: float = SWIGLU_ALPHA,
                         swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
-    """The math of the module doc in fp32 on any device (a loop over the experts that have pairs)."""
+    """The math of the module doc in fp32 on any device (a loop over the experts that have pairs).
+
+    With ``apply_router_weight_on_input`` each pair's row is ``x_t * w`` computed in fp32 and rounded to
+    x.dtype before it is quantized, the order of ``experts_ref`` (and of ``x * w`` in x.dtype, as vLLM
+    and HF's Llama-4 compute it, whenever the router weights are in x.dtype)."""
     q = moe_quant(scheme)
     t, h, i, e, k = _check_inputs(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale,
                                   b13, b2, q, activation)
@@ -295,7 +299,7 @@ def fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
     route = topk_weights.reshape(-1).float()
     tok = torch.arange(p, device=dev) // k
     if apply_router_weight_on_input:
-        a1, a_row = x.float()[tok] * route[:, None], torch.arange(p, device=dev)
+        a1, a_row = (x.float()[tok] * route[:, None]).to(x.dtype).float(), torch.arange(p, device=dev)
     else:
         a1, a_row = x.float(), tok
     a1 = _qdq(a1, q, a13_scale)

@@ -129,7 +129,11 @@ def independent(args, on_input=False):
     k, e = ids.shape[1], args["w13"].shape[0]
     i = args["w2"].shape[2]
     gated = mt.ACTIVATIONS[args["activation"]][1]
-    a1 = (x[:, None, :] * r[:, :, None]).reshape(t * k, h) if on_input else x
+    if on_input:  # x_t * w in fp32, rounded to x.dtype
+        xr = args["x"].float()[:, None, :] * args["topk_weights"].float()[:, :, None]
+        a1 = xr.reshape(t * k, h).to(args["x"].dtype).double()
+    else:
+        a1 = x
     a1, _ = _qdq64(a1, args["scheme"], args["a13_scale"])
     hid = torch.zeros(t * k, i, dtype=torch.float64)
     w2d = {}
