@@ -38,7 +38,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]  # e2e_models, and this checkout's 
 import e2e_models as em
 
 DENSE_FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "ct-w4a16", "ct-nvfp4")
-MOE_FORMATS = ("bf16", "online-fp8", "modelopt-fp8")
+MOE_FORMATS = ("bf16", "online-fp8", "modelopt-fp8", "ct-w4a16", "ct-nvfp4")
 ONLINE = {"online-fp8": "fp8_per_tensor", "online-fp8-block": "fp8_per_block"}
 NOTE = ("models measured one after another (not interleaved); tok/s counts the tokens of all sequences; "
         "floor = weight bytes one decode step reads / copy bandwidth (input embedding excluded; MoE: experts "

@@ -179,22 +179,24 @@ def write_model(path: str, model, fmt: str, kv_cache: str | None = None, max_sha
     ``save_pretrained``) gets the quantization config added; else the model's config and a tokenizer are
     written. ``max_shard_bytes``: split the tensors into ``model-0000i-of-0000n.safetensors`` files and an
     index, as ``save_pretrained`` does; else one ``model.safetensors``. MoE models (fused experts) are
-    written in bf16 and ModelOpt FP8 only."""
+    written in bf16, ModelOpt FP8 and the 4-bit formats (each expert's gate and up share one NVFP4 global
+    scale)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown synthetic format {fmt!r}; choose from {FORMATS}")
     moe = any(fused_experts(m) for m in model.modules())
-    if moe and fmt not in ("bf16", "modelopt-fp8"):
-        raise ValueError(f"{fmt!r}: the MoE writer covers bf16 and modelopt-fp8")
+    if moe and fmt not in ("bf16", "modelopt-fp8", *synth_4bit.FORMATS):
+        raise ValueError(f"{fmt!r}: the MoE writer covers bf16, modelopt-fp8 and the 4-bit formats "
+                         f"{synth_4bit.FORMATS}")
     qcfg = None
     if fmt == "bf16":
         state = disk_state(model)
     else:
         amax = calibrate(model)
         state = disk_state(model)
+        routers = [n for n, m in model.named_modules() if is_router(n, m) and hasattr(m, "weight")]
         if fmt in synth_4bit.FORMATS:
-            qcfg = synth_4bit.quantize_state(fmt, state, amax)
+            qcfg = synth_4bit.quantize_state(fmt, state, amax, routers)
         else:
-            routers = [n for n, m in model.named_modules() if is_router(n, m) and hasattr(m, "weight")]
             qcfg = _quantize_fp8(fmt, state, amax, routers)
         if kv_cache is not None:
             _add_kv_scales(fmt, kv_cache == "fp8-head", model, state, qcfg)

@@ -185,10 +185,11 @@ def ct_int(w: torch.Tensor, bits: int, group: int | None, symmetric: bool = True
 
 # -- the whole state dict ------------------------------------------------------------------------
 
-def quantize_state(fmt: str, state: dict, amax: dict[str, float]) -> dict:
+def quantize_state(fmt: str, state: dict, amax: dict[str, float], routers: list[str] = ()) -> dict:
     """Replace the bf16 weights of the linears in ``amax`` (module name -> calibrated input amax) in
     ``state`` by ``fmt``'s tensors, in place. Returns ``{"config": quantization_config,
-    "hf_quant_config": ...}`` (the latter for ModelOpt only)."""
+    "hf_quant_config": ...}`` (the latter for ModelOpt only); MoE ``routers`` are listed among the
+    ignored / excluded modules, as the producers' MoE recipes list ``mlp.gate``."""
     names = [key[:-len(".weight")] for key in state if key.endswith(".weight") and key[:-len(".weight")] in amax]
     w_amax = _shared({n: state[f"{n}.weight"].abs().amax() for n in names})
     x_amax = _shared({n: torch.tensor(amax[n], dtype=torch.bfloat16) for n in names})  # activations were bf16
@@ -211,22 +212,37 @@ def quantize_state(fmt: str, state: dict, amax: dict[str, float]) -> dict:
             raise ValueError(f"{fmt!r} is not a 4-bit synthetic format; choose from {FORMATS}")
         state.update({f"{n}.{suffix}": v.contiguous() for suffix, v in t.items()})
     if fmt.startswith("modelopt"):
-        return _modelopt_configs(fmt, names)
-    return {"config": copy.deepcopy(QUARK_MXFP4) if fmt == "quark-mxfp4" else _ct_config(fmt)}
+        out = _modelopt_configs(fmt, names)
+        lists = [out["config"]["ignore"], out["hf_quant_config"]["quantization"].get("exclude_modules", [])]
+    else:
+        out = {"config": copy.deepcopy(QUARK_MXFP4) if fmt == "quark-mxfp4" else _ct_config(fmt)}
+        lists = [out["config"]["exclude" if fmt == "quark-mxfp4" else "ignore"]]
+    for names_list in lists:
+        # the producers' order: ModelOpt after its excludes, llm-compressor and Quark before lm_head
+        at = len(names_list) if fmt.startswith("modelopt") or "lm_head" not in names_list else names_list.index("lm_head")
+        names_list[at:at] = [r for r in routers if r not in names_list]
+    return out
 
 
 def _leaf(name: str) -> str:
     return name.rpartition(".")[2]
 
 
+def _block(name: str) -> str:
+    """The module whose linears one kernel fuses: the decoder layer (``model.layers.i``) of a dense
+    linear, the expert (``...experts.E``) of an expert's."""
+    owner = name.rpartition(".")[0]
+    return owner if ".experts." in name else owner.rpartition(".")[0]
+
+
 def _shared(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each layer's value replaced by the max over its fused group (q/k/v, gate/up of one block)."""
     out = dict(values)
     for name in values:
-        parent = name.rpartition(".")[0].rpartition(".")[0]  # model.layers.i
+        parent = _block(name)
         for group in FUSED:
             if _leaf(name) in group:
-                members = [m for m in values if _leaf(m) in group and m.rpartition(".")[0].rpartition(".")[0] == parent]
+                members = [m for m in values if _leaf(m) in group and _block(m) == parent]
                 out[name] = torch.stack([values[m] for m in members]).max()
     return out
 

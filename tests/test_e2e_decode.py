@@ -14,9 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import e2e_decode
 
 SMOKE = ["--tiny", "--device", "cpu", "--inner", "eager", "--tokens", "2", "--reps", "1", "--layers", "1"]
-# dense: two batch sizes and the prefill; MoE: online and checkpoint FP8, HF generate (each path once, for time)
+# dense: two batch sizes and the prefill; MoE: online and checkpoint FP8, 4-bit experts, HF generate (each path
+# once, for time)
 CASES = {"llama": ["--formats", "bf16,ct-w4a16", "--batch", "1", "2", "--prefill", "16"],
-         "qwen3_moe": ["--formats", "online-fp8", "modelopt-fp8", "--batch", "1", "--prefill", "0", "--hf-generate"]}
+         "qwen3_moe": ["--formats", "online-fp8", "modelopt-fp8", "ct-w4a16", "--batch", "1", "--prefill", "0",
+                       "--hf-generate"]}
 
 
 @pytest.mark.parametrize("arch", CASES)
@@ -38,7 +40,8 @@ def test_e2e_decode_smoke(tmp_path, capsys, arch):
             assert r["errors"]["compiled_vs_dequantized_bf16"] < 0.2, name
             assert r["kernels"]["by_op"], name
     if arch == "qwen3_moe":  # every experts layer reports its kernel (or that it stayed transformers' bf16)
-        assert set(results["modelopt-fp8 qcompile"]["kernels"]["experts_layers"].values()) == {"reference"}
+        for fmt in ("modelopt-fp8", "ct-w4a16"):
+            assert set(results[f"{fmt} qcompile"]["kernels"]["experts_layers"].values()) == {"reference"}, fmt
         assert list(results["online-fp8 qcompile"]["kernels"]["experts_layers"]) == ["model.layers.0.mlp.experts"]
     assert "| model | weight MiB |" in capsys.readouterr().out
 

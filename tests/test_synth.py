@@ -35,11 +35,16 @@ def assert_same(ours: dict, theirs: dict, skip: str = "\0") -> None:
 @pytest.mark.parametrize("fmt,source,producer", [
     ("modelopt-fp8", "base-bf16-dense", "modelopt-fp8-dense"),
     ("ct-fp8-dynamic", "base-bf16-dense", "llmcompressor-fp8-dynamic-dense"),
-    ("modelopt-fp8", "base-bf16-moe", "modelopt-fp8-moe")])
-def test_fp8_writer_is_byte_identical_to_the_producer(testdata, tmp_path, fmt, source, producer):
+    ("modelopt-fp8", "base-bf16-moe", "modelopt-fp8-moe"),
+    ("ct-nvfp4", "base-bf16-moe", "llmcompressor-nvfp4-moe"),
+    ("modelopt-nvfp4", "base-bf16-moe", "modelopt-nvfp4-moe"),
+    ("quark-mxfp4", "base-bf16-moe", "quark-w-mxfp4-moe")])
+def test_writer_is_byte_identical_to_the_producer(testdata, tmp_path, fmt, source, producer):
+    """Same tensors (codes, scales, global scales; MoE: per expert, gate and up sharing a global scale) and
+    the same quantization config, routers ignored as the producers list them."""
     synth.write_checkpoint(str(tmp_path), fmt, source=str(testdata / source))
-    # input scales are calibrated on other tokens
-    assert_same(tensors(tmp_path), tensors(testdata / producer), skip="input_scale")
+    # input scales (and NVFP4 input global scales) are calibrated on other tokens
+    assert_same(tensors(tmp_path), tensors(testdata / producer), skip="input")
     for name in ("config.json", "hf_quant_config.json") if fmt.startswith("modelopt") else ("config.json",):
         ours, theirs = (json.loads((d / name).read_text()) for d in (tmp_path, testdata / producer))
         assert ours.get("quantization_config") == theirs.get("quantization_config")
@@ -84,13 +89,13 @@ def test_in_memory_writer_matches_the_checkpoint_writer(tmp_path, fmt):
 
 def test_moe_writer_refuses_formats_it_does_not_cover(tmp_path):
     with pytest.raises(ValueError, match="MoE writer"):
-        synth.write_model(str(tmp_path), in_memory_model("cpu", moe=True), "ct-w4a16")
+        synth.write_model(str(tmp_path), in_memory_model("cpu", moe=True), "ct-fp8-block")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,moe", [("modelopt-fp8", False), ("modelopt-fp8-pcpt", False), ("ct-w4a16", False),
                                      ("ct-nvfp4", False), ("modelopt-nvfp4", False), ("ct-w8a8-int8", False),
-                                     ("modelopt-fp8", True)])
+                                     ("modelopt-fp8", True), ("ct-w4a16", True), ("ct-nvfp4", True)])
 def test_cuda_writer_writes_the_cpu_bytes(tmp_path, fmt, moe):
     """Quantizing on the GPU gives the CPU's bytes (calibration aside: the input scales may differ by the
     GPU's bf16 matmul rounding)."""
