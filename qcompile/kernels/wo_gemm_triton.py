@@ -210,23 +210,6 @@ if HAS_TRITON:
         return rows[:, None] * stride_wn + widx[None, :]
 
     @triton.jit
-    def _expert_ptrs(e, w_ptr, s_ptr, z_ptr, g_ptr, gs_ptr, bias_ptr, stride_we, stride_se, stride_ge, stride_be,
-                     HAS_ZP: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_GS: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """Expert ``e``'s weight, scale, zero point, g_idx, global scale and bias pointers (tensors stacked
-        over experts; zero points strided like the scales). The absent ones come back as they are."""
-        w_ptr += e * stride_we
-        s_ptr += e * stride_se
-        if HAS_ZP:
-            z_ptr += e * stride_se
-        if ACT_ORDER:
-            g_ptr += e * stride_ge
-        if HAS_GS:
-            gs_ptr += e
-        if HAS_BIAS:
-            bias_ptr += e * stride_be
-        return w_ptr, s_ptr, z_ptr, g_ptr, gs_ptr, bias_ptr
-
-    @triton.jit
     def _wo_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, gs_ptr, bias_ptr, out_ptr,
                         M, N, K, stride_wn, stride_sn, k_split_words,
                         FMT: tl.constexpr, EPW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
@@ -256,9 +239,16 @@ if HAS_TRITON:
             out_m = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
             m_ok = out_m < M
             offs_m = tl.where(m_ok, out_m // A_DIV, 0)  # the x rows
-            w_ptr, s_ptr, z_ptr, g_ptr, gs_ptr, bias_ptr = _expert_ptrs(
-                expert, w_ptr, s_ptr, z_ptr, g_ptr, gs_ptr, bias_ptr, stride_we, stride_se, stride_ge, stride_be,
-                HAS_ZP, ACT_ORDER, HAS_GS, HAS_BIAS)
+            w_ptr += expert * stride_we
+            s_ptr += expert * stride_se
+            if HAS_ZP:
+                z_ptr += expert * stride_se
+            if ACT_ORDER:
+                g_ptr += expert * stride_ge
+            if HAS_GS:
+                gs_ptr += expert
+            if HAS_BIAS:
+                bias_ptr += expert * stride_be
         else:
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             m_ok = offs_m < M
@@ -381,10 +371,15 @@ if HAS_TRITON:
         # GROUPED: grid (..., E), every tensor stacked over experts (out [E, N, K])
         if GROUPED:
             e = tl.program_id(2).to(tl.int64)
+            w_ptr += e * stride_we
+            s_ptr += e * stride_se
             out_ptr += e * N * K
-            w_ptr, s_ptr, z_ptr, g_ptr, gs_ptr, _ = _expert_ptrs(
-                e, w_ptr, s_ptr, z_ptr, g_ptr, gs_ptr, None, stride_we, stride_se, stride_ge, 0,
-                HAS_ZP, ACT_ORDER, HAS_GS, False)
+            if HAS_ZP:
+                z_ptr += e * stride_se
+            if ACT_ORDER:
+                g_ptr += e * stride_ge
+            if HAS_GS:
+                gs_ptr += e
         BKW: tl.constexpr = BLOCK_K // EPW
         BITS: tl.constexpr = 32 // EPW
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
