@@ -310,7 +310,7 @@ def markdown(rows: list[dict], device_label: str, bw: float) -> str:
     for shape in dict.fromkeys(r["shape"] for r in rows):
         sel = [r for r in rows if r["shape"] == shape]
         tokens = list(dict.fromkeys(r["tokens"] for r in sel))
-        used = {r["tokens"]: r["experts_used"] for r in sel}
+        used = {t: max(r["experts_used"] for r in sel if r["tokens"] == t) for t in tokens}  # a failed row has 0
         e, h, i, k = (SHAPES | TINY)[shape]
         out.append(f"**{shape}** (E={e}, H={h}, I={i}, top-{k}; experts used: "
                    + ", ".join(f"T={t}: {used[t]}" for t in tokens) + ")")
