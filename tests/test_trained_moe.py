@@ -178,3 +178,29 @@ def test_a_doubled_scale_in_one_expert_is_caught(name, quantized):
         scale[5] *= 2
     errors = expert_weight_errors(model)
     assert {k for k, v in errors.items() if v > CASES[name].weights} == {"model.layers.1.mlp.experts.down_proj[5]"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CASES)
+def test_gpu_kernels_keep_perplexity_and_logits(name, bf16_logits, quantized):
+    """Each copy loaded onto the GPU and compiled there (inductor; the experts on moe_triton / wo_moe, the
+    linears on the GPU kernels): held-out perplexity within the case's bound, and logits within its
+    reference bound of the CPU's eager logits (formats that quantize activations: the same math) or of
+    the dequantized reference (weight-only formats, and NVFP4 W4A4 where it runs weight-only)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    case, out = CASES[name], quantized(name)[1]
+    model = (qcompile.load(str(TRAINED / BASE), device="cuda", online=case.online) if case.online
+             else qcompile.load(str(TRAINED / name), device="cuda"))
+    backend = qcompile.backend()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend, fullgraph=True)(heldout_ids().cuda()).logits.cpu()
+    kernels = {r.kernel for r in backend.rows if r.module.endswith("mlp.experts")}
+    assert kernels <= {"moe_triton", "wo_moe"} and kernels, backend.rows
+    ppl, want = perplexity(got, heldout_ids()), perplexity(bf16_logits, heldout_ids())
+    assert abs(ppl / want - 1) < case.ppl, (ppl, want)
+    # NVFP4 W4A4 runs weight-only on GPUs without an FP4 GEMM (the explain rows say so)
+    weight_only = not case.activations or any("activations not quantized" in (r.reason or "") for r in backend.rows)
+    against = out["reference"] if weight_only else out["eager"]
+    assert rel_err(got, against) < case.vs_reference, rel_err(got, against)
