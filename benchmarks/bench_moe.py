@@ -262,7 +262,7 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
     for n, (row, scheme) in enumerate(OURS_WO.items()):
         spec = parse_scheme_key(scheme)
         labels = [row] + (list(WO_PATHS) if n == 0 else [])
-        why = next((f"fails: {what}: {r}" for what, kk in (("H", h), ("I", i))
+        why = next((f"fails: {what}: {r}" for what, kk in zip(mw.PROJECTIONS, (h, i))
                     if (r := mw.triton_shape_reason(spec.weight, 0, kk))), None)
         if why:  # K the weight-only kernels do not take (whole words and scale groups)
             rows += [dict(shape=name, tokens=t, row=label, us=why, experts_used=0, floor_us=0.0, pct_floor=None)
