@@ -259,12 +259,15 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
     stored bytes (codes and scales) of the experts the routing touches."""
     e, h, i, k = shape
     rows = []
-    if h % 128 or i % 128:  # the weight-only kernels step K by 128
-        why = f"fails: H={h}, I={i}: weight-only rows need multiples of 128"
-        return [dict(shape=name, tokens=t, row=row, us=why, experts_used=0, floor_us=0.0, pct_floor=None)
-                for t in tokens for row in list(OURS_WO) + list(WO_PATHS)]
     for n, (row, scheme) in enumerate(OURS_WO.items()):
         spec = parse_scheme_key(scheme)
+        labels = [row] + (list(WO_PATHS) if n == 0 else [])
+        why = next((f"fails: {what}: {r}" for what, kk in zip(mw.PROJECTIONS, (h, i))
+                    if (r := mw.triton_shape_reason(spec.weight, 0, kk))), None)
+        if why:  # K the weight-only kernels do not take (whole words and scale groups)
+            rows += [dict(shape=name, tokens=t, row=label, us=why, experts_used=0, floor_us=0.0, pct_floor=None)
+                     for t in tokens for label in labels]
+            continue
         w13, w2 = (wo_expert_weights(spec.weight, e, nn, kk, device, 10 * n + j)
                    for j, (nn, kk) in enumerate(((2 * i, h), (h, i))))
         expert_bytes = sum(v.numel() * v.element_size() for ws in (w13, w2) for v in ws if v is not None) / e

@@ -40,8 +40,8 @@ from .fp8_quant_triton import HAS_TRITON, use_triton
 from .moe_kernels import moe_align
 from .registry import HALF, Kernel, KernelQuery, cuda_reason, register
 from . import wo_tune
-from .wo_gemm import (_sm_count, dequantize_triton, launch, layout_of, pick_config, splits, triton_shape_reason,
-                      validate, wo_reason)
+from .wo_gemm import (_sm_count, dequantize_triton, fit_config, launch, layout_of, pick_config, splits,
+                      triton_shape_reason, validate, wo_reason)
 
 if HAS_TRITON:
     import triton
@@ -134,6 +134,7 @@ def _grouped_gemm(a, a_div: int, tensors: tuple, bias, route, spec, cfg: dict, a
     """fp32 [split, pairs, N]: per routed pair p of expert e (``align``: moe_align's blocks),
     a[p // a_div] @ dequantize(w[e]).T (+ bias[e] in the first split) (x route[p])."""
     weight = tensors[0]
+    cfg = fit_config(cfg, a.shape[1], spec)
     out = torch.empty((splits(a.shape[1], cfg)[0], pairs, weight.shape[1]), dtype=torch.float32, device=a.device)
     sorted_ids, block_expert = align
     launch(a, *tensors, bias, spec, cfg, out, pairs, block_expert.numel(), ids_ptr=sorted_ids,
@@ -298,12 +299,8 @@ def tune_call(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, 
         return times
     best = start
 
-    def fits(c):  # the kernel steps K by whole BLOCK_K
-        return all(kk % c.launch[g]["BLOCK_K"] == 0 for g, kk in (("gemm1", h), ("gemm2", i)))
-
-    def step(cands):
+    def step(cands):  # (any BLOCK_K runs: a partial last K step is masked)
         nonlocal best
-        cands = [c for c in cands if fits(c)]
         times.update(wo_tune.measure([c for c in cands if c not in times], run, reps))
         best = min((c for c in times if c.route == "triton" and c in cands + [best]), key=times.get)
 

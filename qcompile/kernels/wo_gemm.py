@@ -76,7 +76,7 @@ class Layout:
 
     @property
     def min_block_k(self) -> int:
-        return 16 * self.epw  # tl.dot needs 16 words per slice
+        return 16 * self.epw  # tl.dot needs 16 words per slice (a partial last K step is masked)
 
 
 def layout_of(spec: WeightSpec) -> Layout:
@@ -172,7 +172,7 @@ def pick_config(m: int, n: int, k: int, lay: Layout, sms: int, groups: int = 1) 
 def auto_split(m: int, n: int, k: int, cfg: dict, sms: int, waves: float = 2.0) -> int:
     """Split K so that about ``waves`` x SMs programs run, each with >= 4 K steps."""
     tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
-    steps = k // cfg["BLOCK_K"]
+    steps = -(-k // cfg["BLOCK_K"])
     split = max(1, min(round(waves * sms / tiles), steps // 4))
     return split
 
@@ -193,10 +193,28 @@ def _args(weight, scale, zero_point, g_idx, global_scale, spec: WeightSpec, n: i
 
 
 def splits(k: int, cfg: dict) -> tuple[int, int]:
-    """(the number of K splits that are not empty, K per split) of a launch configuration."""
+    """(the number of K splits that are not empty, K per split) of a launch configuration: whole
+    BLOCK_K steps per split, the last split holds a partial last step where K % BLOCK_K != 0."""
     bk = cfg["BLOCK_K"]
-    k_split = -(-(k // bk) // cfg["SPLIT_K"]) * bk
+    steps = -(-k // bk)
+    k_split = -(-steps // cfg["SPLIT_K"]) * bk
     return -(-k // k_split), k_split
+
+
+def fit_config(cfg: dict, k: int, spec: WeightSpec) -> dict:
+    """``cfg`` as the kernel runs it at this K: where K % BLOCK_K != 0 (a partial last step), x is not
+    permuted (``_permute_x_kernel`` moves whole steps) and tiled words (whose K wo_mma's rule makes a
+    multiple of the layout's min_block_k) step by min_block_k, so that every step is whole."""
+    if k % cfg["BLOCK_K"] == 0:
+        return cfg
+    cfg = dict(cfg, X_PERMUTED=False)
+    if spec.tiled:
+        bk = layout_of(spec).min_block_k
+        if k % bk:
+            raise UnsupportedError(f"tiled {spec.dtype.value} weights with K={k}, not a multiple of {bk}",
+                                   where=OP, fix="keep such weights in the canonical layout")
+        cfg["BLOCK_K"] = bk
+    return cfg
 
 
 def launch(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bias, spec: WeightSpec, cfg: dict,
@@ -204,8 +222,8 @@ def launch(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bia
     """One launch of ``_wo_gemm_kernel`` writing ``dest`` ([m, N] in x2.dtype, or fp32 partials
     [split, m, N]). ``grouped``: the kernel's GROUPED arguments (:mod:`moe_wo`); the weight and its
     tensors are then stacked over experts, and their expert strides are filled in here."""
-    cfg = dict(cfg)
     k, n = x2.shape[1], weight.shape[-2]
+    cfg = dict(fit_config(cfg, k, spec))
     lay = layout_of(spec)
     split, k_split = splits(k, cfg)
     del cfg["SPLIT_K"]
@@ -227,8 +245,8 @@ def launch(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bia
         x2, words, s, z, g, gs, bias, dest, m, n, k, words.shape[-1], stride_sn, k_split // lay.epw,
         FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
         HAS_ZP=z is not None, ACT_ORDER=g is not None, HAS_BIAS=bias is not None, PARTIAL=split > 1,
-        EMULATE_DOT=not x2.is_cuda, PTX_DECODE=ptx, TILED=spec.tiled, NATURAL=natural, num_warps=warps,
-        num_stages=stages, **cfg, **grouped)
+        EMULATE_DOT=not x2.is_cuda, PTX_DECODE=ptx, TILED=spec.tiled, NATURAL=natural,
+        EVEN_K=k % cfg["BLOCK_K"] == 0, num_warps=warps, num_stages=stages, **cfg, **grouped)
 
 
 def wo_gemm(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bias, spec: WeightSpec,
@@ -237,7 +255,7 @@ def wo_gemm(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bi
     switches to the dequant path above WO_MAX_M). ``config`` overrides :func:`pick_config`."""
     m, k = x2.shape
     n = weight.shape[0]
-    cfg = dict(config) if config else pick_config(m, n, k, layout_of(spec), _sm_count(x2.device))
+    cfg = fit_config(dict(config) if config else pick_config(m, n, k, layout_of(spec), _sm_count(x2.device)), k, spec)
     split, _ = splits(k, cfg)
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
@@ -252,7 +270,8 @@ def wo_gemm(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bi
 def dequantize_triton(weight, scale, spec: WeightSpec, global_scale=None, zero_point=None, g_idx=None,
                       k: int | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """[N, K] in ``dtype``: quant_math.dequantize_weight(...).to(dtype), in one Triton kernel
-    (the same fp32 operations in the same order; bit-identical on the GPU). K % (16*EPW) == 0.
+    (the same fp32 operations in the same order; bit-identical on the GPU). K: see triton_shape_reason
+    (a partial last block is masked).
     A weight stacked over experts ([E, N, K'], every tensor with that leading E) gives [E, N, K]."""
     lay = layout_of(spec)
     n = weight.shape[-2]
@@ -265,21 +284,23 @@ def dequantize_triton(weight, scale, spec: WeightSpec, global_scale=None, zero_p
                        stride_ge=0 if g is None else g.stride(0))
     cfg = DEQUANT_CONFIG
     block_k, block_n = cfg["BLOCK_WORDS"] * lay.epw, cfg["BLOCK_N"]
-    if k % block_k:
+    if k % block_k and k % lay.min_block_k == 0:
         block_k = lay.min_block_k
-    _dequant_kernel[(triton.cdiv(n, block_n), k // block_k, weight.shape[0] if grouped else 1)](
+    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k), weight.shape[0] if grouped else 1)](
         words, s, z, g, gs, out, n, k, words.shape[-1], stride_sn,
         FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
         HAS_ZP=z is not None, ACT_ORDER=g is not None, BLOCK_N=block_n, BLOCK_K=block_k, TILED=spec.tiled,
-        NATURAL=spec.tiled and quant_math.tiles_natural(spec), num_warps=cfg["num_warps"], **grouped)
+        NATURAL=spec.tiled and quant_math.tiles_natural(spec), EVEN_K=k % block_k == 0, num_warps=cfg["num_warps"],
+        **grouped)
     return out
 
 
 def triton_shape_reason(spec: WeightSpec, n: int, k: int) -> str | None:
-    """What the Triton kernels need of the shape, beyond :func:`wo_reason`."""
+    """What the Triton kernels need of the shape, beyond :func:`wo_reason`: K in whole 32-bit words and
+    whole scale groups (a partial last K step is masked)."""
     lay = layout_of(spec)
-    if k % lay.min_block_k:
-        return f"K={k} not a multiple of {lay.min_block_k}"
+    if k % lay.epw:
+        return f"K={k} not a multiple of {lay.epw} (the {spec.dtype.bits}-bit elements of a 32-bit word)"
     if lay.group and k % lay.group:
         return f"K={k} not a multiple of the group size {lay.group}"
     return None

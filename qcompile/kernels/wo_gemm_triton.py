@@ -119,13 +119,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _x_slices(x_ptr, offs_m, m_ok, k0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPW: tl.constexpr,
-                  NATURAL: tl.constexpr = False):
+                  NATURAL: tl.constexpr = False, EVEN_K: tl.constexpr = True):
         """x[m, k0:k0+BLOCK_K] in one contiguous (cp.async-able, so pipelined) load, split in registers
         into EPW tensors [BLOCK_M, BLOCK_K/EPW]: slice j holds x[m, k0 + EPW*i + j], the partner of
         code j of word i (loading the slices directly would take 2-byte loads at a 16-byte stride, which
-        cp.async cannot pipeline)."""
-        x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok[:, None],
-                    other=0.0)
+        cp.async cannot pipeline). Not EVEN_K: columns k >= K are 0 (the partial last K step)."""
+        kk = k0 + tl.arange(0, BLOCK_K)
+        mask = m_ok[:, None] if EVEN_K else m_ok[:, None] & (kk < K)[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=mask, other=0.0)
         if NATURAL:  # tiled in natural-x order: word i = 16c + 4q + e, element j = 2jh + j0 holds
             # k = KPC c + 4 EPW e + 8 jh + 2q + j0 (quant_math.tile_words): the tile in (i, j) order first
             x = tl.reshape(x, (BLOCK_M, BLOCK_K // (16 * EPW), 4, EPW // 2, 4, 2))
@@ -189,6 +190,15 @@ if HAS_TRITON:
         tl.store(xp_ptr + offs, v)
 
     @triton.jit
+    def _load_k(ptrs, ok, MASKED: tl.constexpr):
+        """tl.load(ptrs), or where MASKED (a partial last K step) only where ``ok``, 0 elsewhere."""
+        if MASKED:
+            v = tl.load(ptrs, mask=ok, other=0)
+        else:
+            v = tl.load(ptrs)
+        return v
+
+    @triton.jit
     def _mma(a, b, acc, EMULATE_DOT: tl.constexpr):
         """acc + a @ b with a rounded to b's dtype. The Triton 3.9 interpreter multiplies bf16 operands
         as their raw uint16 bits, so there (EMULATE_DOT) the rounded operands go in as fp32."""
@@ -218,7 +228,7 @@ if HAS_TRITON:
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EMULATE_DOT: tl.constexpr = False, PTX_DECODE: tl.constexpr = False,
                         SCALE_PREFETCH: tl.constexpr = True, X_PERMUTED: tl.constexpr = False,
-                        TILED: tl.constexpr = False, NATURAL: tl.constexpr = False,
+                        TILED: tl.constexpr = False, NATURAL: tl.constexpr = False, EVEN_K: tl.constexpr = True,
                         GROUPED: tl.constexpr = False, ROUTE: tl.constexpr = False, ids_ptr=None,
                         experts_ptr=None, route_ptr=None, A_DIV=1, stride_we=0, stride_se=0, stride_ge=0,
                         stride_be=0):
@@ -229,6 +239,9 @@ if HAS_TRITON:
         # moe_kernels.moe_align, ...); block pid_m is expert experts_ptr[pid_m] (-1: nothing to do) and
         # pairs ids_ptr[pid_m*BLOCK_M ...] (M = the number of pairs marks padding), x row pair // A_DIV.
         # out is fp32 [SPLIT_K, M, N] by pair: bias[expert] added by split 0, times route[pair] (ROUTE).
+        # Not EVEN_K (K % BLOCK_K != 0): the last K step is partial, its words, scales, g_idx and x masked
+        # (x beyond K is 0: a masked word decodes to a nonzero value); splits hold whole BLOCK_K but the last.
+        tl.static_assert(EVEN_K or not (X_PERMUTED or TILED), "x permuted and tiled words need whole K steps")
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -274,28 +287,34 @@ if HAS_TRITON:
         # Scales (and zero points) are loaded one K step ahead, by hand: Triton pipelines only the
         # weight and x tiles, and a scale load waited for at every step costs a DRAM latency each.
         PER_ROW: tl.constexpr = GROUP == 0 or POST
+        # per-word loads masked in a partial step (a row's scale is always there: K % GROUP == 0)
+        MASK_S: tl.constexpr = (not EVEN_K) and (not PER_ROW)
+        KW = K // EPW
+        w_last = w_hi - BKW if EVEN_K else w_lo + (w_hi - 1 - w_lo) // BKW * BKW  # the last step's start
         if (not ACT_ORDER) and SCALE_PREFETCH:
             soff = _scale_offsets(rows, offs_i, w_lo, stride_sn, EPW, GROUP, PER_ROW)
-            s_next = tl.load(s_ptr + soff)
+            s_next = _load_k(s_ptr + soff, (w_lo + offs_i < KW)[None, :], MASK_S)
             if HAS_ZP:
-                z_next = tl.load(z_ptr + soff)
+                z_next = _load_k(z_ptr + soff, (w_lo + offs_i < KW)[None, :], MASK_S)
         for w0 in range(w_lo, w_hi, BKW):
-            words = tl.load(w_ptr + _word_offsets(rows, w0 + offs_i, stride_wn, TILED))  # [BN, BKW]
+            w_ok = (w0 + offs_i < KW)[None, :]
+            words = _load_k(w_ptr + _word_offsets(rows, w0 + offs_i, stride_wn, TILED), w_ok, not EVEN_K)  # [BN, BKW]
             k0 = w0 * EPW
             kk = k0 + offs_i * EPW  # first k of each word
             if (not ACT_ORDER) and SCALE_PREFETCH:
                 s = _scale_value(s_next, SCALE_KIND)  # [BN, 1] per row, else [BN, BKW] (per word)
                 if HAS_ZP:
                     z = z_next.to(tl.float32)
-                soff = _scale_offsets(rows, offs_i, tl.minimum(w0 + BKW, w_hi - BKW), stride_sn, EPW, GROUP, PER_ROW)
-                s_next = tl.load(s_ptr + soff)
+                w_pre = tl.minimum(w0 + BKW, w_last)
+                soff = _scale_offsets(rows, offs_i, w_pre, stride_sn, EPW, GROUP, PER_ROW)
+                s_next = _load_k(s_ptr + soff, (w_pre + offs_i < KW)[None, :], MASK_S)
                 if HAS_ZP:
-                    z_next = tl.load(z_ptr + soff)
+                    z_next = _load_k(z_ptr + soff, (w_pre + offs_i < KW)[None, :], MASK_S)
             if (not ACT_ORDER) and (not SCALE_PREFETCH):
                 soff = _scale_offsets(rows, offs_i, w0, stride_sn, EPW, GROUP, PER_ROW)
-                s = _scale_value(tl.load(s_ptr + soff), SCALE_KIND)
+                s = _scale_value(_load_k(s_ptr + soff, w_ok, MASK_S), SCALE_KIND)
                 if HAS_ZP:
-                    z = tl.load(z_ptr + soff).to(tl.float32)
+                    z = _load_k(z_ptr + soff, w_ok, MASK_S).to(tl.float32)
             if POST:
                 part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             if FAST_INT4:  # codes - 8 in x.dtype, scaled after the dot
@@ -305,7 +324,7 @@ if HAS_TRITON:
             if X_PERMUTED:
                 xs = _x_slices_permuted(x_ptr, offs_m, m_ok, k0, K, BKW, EPW)
             else:
-                xs = _x_slices(x_ptr, offs_m, m_ok, k0, K, BLOCK_M, BLOCK_K, EPW, NATURAL)
+                xs = _x_slices(x_ptr, offs_m, m_ok, k0, K, BLOCK_M, BLOCK_K, EPW, NATURAL, EVEN_K)
             for j in tl.static_range(EPW if FAST else 0):
                 xt = tl.trans(xs[j])  # element j is nibble j // 2 + 4 (j % 2) of a tiled 4-bit word
                 if FAST_INT4:
@@ -315,7 +334,7 @@ if HAS_TRITON:
             for j in tl.static_range(0 if FAST else EPW):  # portable decode (fp32), any format
                 v = _decode(words >> ((j + PAIRS * (j // 2 + 4 * (j % 2) - j)) * BITS), FMT)  # elements k = kk + j
                 if ACT_ORDER:  # column k uses group g_idx[k]
-                    gsel = rows[:, None] * stride_sn + tl.load(g_ptr + kk + j)[None, :]
+                    gsel = rows[:, None] * stride_sn + _load_k(g_ptr + kk + j, kk < K, not EVEN_K)[None, :]
                     s = _scale_value(tl.load(s_ptr + gsel), SCALE_KIND)
                     if HAS_ZP:
                         z = tl.load(z_ptr + gsel).to(tl.float32)
@@ -365,10 +384,12 @@ if HAS_TRITON:
                         FMT: tl.constexpr, EPW: tl.constexpr, SCALE_KIND: tl.constexpr, GROUP: tl.constexpr,
                         HAS_GS: tl.constexpr, HAS_ZP: tl.constexpr, ACT_ORDER: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr = False,
-                        NATURAL: tl.constexpr = False, GROUPED: tl.constexpr = False, stride_we=0, stride_se=0,
-                        stride_ge=0):
-        # grid (cdiv(N, BLOCK_N), K / BLOCK_K): out[n, k] = ((q - z) * s) * g, the order of quant_math.
-        # GROUPED: grid (..., E), every tensor stacked over experts (out [E, N, K])
+                        NATURAL: tl.constexpr = False, GROUPED: tl.constexpr = False, EVEN_K: tl.constexpr = True,
+                        stride_we=0, stride_se=0, stride_ge=0):
+        # grid (cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)): out[n, k] = ((q - z) * s) * g, the order of quant_math.
+        # GROUPED: grid (..., E), every tensor stacked over experts (out [E, N, K]). Not EVEN_K: the last
+        # block is partial, its loads and store masked.
+        tl.static_assert(EVEN_K or not TILED, "tiled words need whole K blocks")
         if GROUPED:
             e = tl.program_id(2).to(tl.int64)
             w_ptr += e * stride_we
@@ -387,7 +408,8 @@ if HAS_TRITON:
         offs_i = tl.arange(0, BKW)
         j = tl.arange(0, EPW)
         sl = j // 2 + 4 * (j % 2) if TILED and EPW == 8 else j  # element j's nibble (see _wo_gemm_kernel)
-        words = tl.load(w_ptr + _word_offsets(rows, tl.program_id(1) * BKW + offs_i, stride_wn, TILED))
+        widx = tl.program_id(1) * BKW + offs_i
+        words = _load_k(w_ptr + _word_offsets(rows, widx, stride_wn, TILED), (widx < K // EPW)[None, :], not EVEN_K)
         v = _decode(words[:, :, None] >> (sl * BITS)[None, None, :], FMT)  # [BN, BKW, EPW]
         if NATURAL:  # word i = 16c + 4q + e, element j = 2jh + j0 is k = KPC c + 4 EPW e + 8 jh + 2q + j0
             v = tl.reshape(v, (BLOCK_N, BLOCK_K // (16 * EPW), 4, 4, EPW // 2, 2))
@@ -395,18 +417,20 @@ if HAS_TRITON:
         # (v: k in natural order)
         if ACT_ORDER:  # a scale per element, gathered through g_idx
             k = tl.program_id(1) * BLOCK_K + (offs_i * EPW)[:, None] + j[None, :]  # [BKW, EPW]
-            sidx = rows[:, None, None] * stride_sn + tl.load(g_ptr + k)[None, :, :]
+            sidx = rows[:, None, None] * stride_sn + _load_k(g_ptr + k, k < K, not EVEN_K)[None, :, :]
+            s_ok = (k < K)[None, :, :]
         else:  # each scale loaded and decoded once, broadcast over its group (or row)
             GPB: tl.constexpr = 1 if GROUP == 0 or GROUP >= BLOCK_K else BLOCK_K // GROUP  # groups per block
             v = tl.reshape(v, (BLOCK_N, GPB, BLOCK_K // GPB))
             first = 0 if GROUP == 0 else tl.program_id(1) * BLOCK_K // GROUP
             sidx = (rows[:, None] * stride_sn + first + tl.arange(0, GPB)[None, :])[:, :, None]  # [BN, GPB, 1]
+            s_ok = ((first + tl.arange(0, GPB)) * GROUP < K)[None, :, None]
         if HAS_ZP:
-            v = v - tl.load(z_ptr + sidx).to(tl.float32)
-        v = v * _scale_value(tl.load(s_ptr + sidx), SCALE_KIND)
+            v = v - _load_k(z_ptr + sidx, s_ok, not EVEN_K).to(tl.float32)
+        v = v * _scale_value(_load_k(s_ptr + sidx, s_ok, not EVEN_K), SCALE_KIND)
         if HAS_GS:
             v = v * tl.load(gs_ptr).to(tl.float32)
         out = tl.reshape(v, (BLOCK_N, BLOCK_K))
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        tl.store(out_ptr + offs_n[:, None] * K + cols[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(offs_n < N)[:, None])
+        ok = (offs_n < N)[:, None] if EVEN_K else (offs_n < N)[:, None] & (cols < K)[None, :]
+        tl.store(out_ptr + offs_n[:, None] * K + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)

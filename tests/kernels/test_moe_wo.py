@@ -194,7 +194,9 @@ def test_triton_backend_refusals():
         with pytest.raises(UnsupportedError, match="needs CUDA tensors"):
             torch.ops.qcompile.wo_moe(*op_call(args, "triton"))
     assert mw.check(_query("int4_g128", (9, 0), n=2 * 192, k=256)) == \
-        "down projection w2: K=192 not a multiple of 128"
+        "down projection w2: K=192 not a multiple of the group size 128"
+    for fmt in ("mxfp4", "nvfp4", "mxfp8"):  # gpt-oss-20b's experts: H = I = 2880 = 22.5 x 128
+        assert mw.check(_query(fmt, (9, 0), n=2 * 2880, k=2880)) is None, fmt
 
 
 # -- kernel selection, capability mocked ------------------------------------------------------------
@@ -224,7 +226,7 @@ def test_selection_by_capability(monkeypatch):
     sel = registry.select(_query("int4_g128", (9, 0), act_dtype=torch.float32))
     assert dict(sel.rejected)["wo_moe"] == "needs bf16/fp16 activations, have torch.float32"
     sel = registry.select(_query("int4_g128", (9, 0), k=2000))
-    assert dict(sel.rejected)["wo_moe"] == "gate/up projection w13: K=2000 not a multiple of 128"
+    assert dict(sel.rejected)["wo_moe"] == "gate/up projection w13: K=2000 not a multiple of the group size 128"
     sel = registry.select(_query("int4_g128", (9, 0), activation="swiglu"))
     assert dict(sel.rejected)["wo_moe"].startswith("activation 'swiglu' is not one of")
     assert registry.select(_query("int4_g128", (9, 0), n=768, activation="relu2_no_mul")).kernel.name == "wo_moe"
@@ -369,6 +371,8 @@ def _cfg(bm, bn, words, split, **kw):
 
 
 SPLIT2 = (_cfg(16, 64, 16, 2), _cfg(16, 32, 16, 2, X_PERMUTED=True, SCALE_PREFETCH=False))  # 4-bit words
+PREFETCH = (_cfg(16, 32, 16, 1, SCALE_PREFETCH=True),) * 2  # one split: the scales prefetched step after step
+TAIL = dict(h=192, i=160)  # K of both GEMMs not a multiple of BLOCK_K (128): a partial last K step
 CASES = {}  # name -> (format, make_moe keywords, wo_moe_triton keywords)
 for _n, _f in enumerate(FORMATS):
     CASES[f"{_f}-decode-t{1 + _n % 4}"] = (_f, dict(t=1 + _n % 4, seed=_n), {})
@@ -389,6 +393,14 @@ CASES.update({
     "nvfp4-w4a4-scheme": ("nvfp4", dict(t=3, scheme=QuantScheme(NVFP4_WEIGHT, NVFP4_ACT).key), {}),
     "nvfp4-dequant-grouped-mm": ("nvfp4", dict(t=6, bias=True, foreign=True), dict(dequant_rows=0)),
     "int4_g32_actorder-dequant-on-input": ("int4_g32_actorder", dict(t=4, on_input=True), dict(dequant_rows=0)),
+    "mxfp4-tail": ("mxfp4", dict(t=5, bias=True, **TAIL), {}),
+    "mxfp4-tail-swigluoai-split": ("mxfp4", dict(t=3, activation="swigluoai:1.702:7.0", **TAIL), dict(configs=SPLIT2)),
+    "nvfp4-tail-split": ("nvfp4", dict(t=4, bias=True, foreign=True, **TAIL), dict(configs=SPLIT2)),
+    "mxfp8-tail-split": ("mxfp8", dict(t=4, **TAIL), dict(configs=SPLIT2)),
+    "int4_g32_actorder-tail-split": ("int4_g32_actorder", dict(t=3, **TAIL), dict(configs=SPLIT2)),
+    "int4_g32-tail-h320-prefetch": ("int4_g32", dict(t=4, h=320, i=160, bias=True), dict(configs=PREFETCH)),
+    "mxfp4-tail-h320-prefetch": ("mxfp4", dict(t=4, h=320, i=160), dict(configs=PREFETCH)),
+    "nvfp4-tail-dequant-grouped-mm": ("nvfp4", dict(t=6, **TAIL), dict(dequant_rows=0)),
 })
 
 INTERPRETER_SCRIPT = textwrap.dedent(r"""
@@ -412,15 +424,18 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
     lead = dict(args, **{n: args[n].view(2, 2, -1) for n in ("hidden_states", "top_k_index", "top_k_weights")})
     out = torch.ops.qcompile.wo_moe(*op_call(lead, "triton"))
     res["op_triton"] = dict(compare(out.view(4, -1), reference(args)), shape=list(out.shape))
+    args = make_moe("mxfp4", t=4, h=192, i=160)  # K not a multiple of BLOCK_K: the op's checks let it through
+    res["op_triton_tail"] = compare(torch.ops.qcompile.wo_moe(*op_call(args, "triton")), reference(args))
     # the stacked dequantize kernel is quant_math per expert, bit for bit
-    for fmt in ("int4_g32_actorder", "nvfp4", "int8_tensor_zp", "mxfp8"):
-        args = make_moe(fmt, e=3)
+    for fmt, i in (("int4_g32_actorder", 128), ("nvfp4", 128), ("int8_tensor_zp", 128), ("mxfp8", 128),
+                   ("mxfp4", 160), ("nvfp4", 160), ("int4_g32_actorder", 160)):  # 160: a partial last block
+        args = make_moe(fmt, e=3, i=i)
         t = [args[f"w2_{r}"] for r in W_ROLES]
         spec = mw.parse_scheme_key(args["scheme"]).weight
-        got = wg.dequantize_triton(t[0], t[1], spec, t[2], t[3], t[4], 128, torch.float32)
+        got = wg.dequantize_triton(t[0], t[1], spec, t[2], t[3], t[4], i, torch.float32)
         want = torch.stack([qm.dequantize_weight(*(None if v is None else v[e] for v in t[:2]), spec,
-                            *(None if v is None else v[e] for v in t[2:]), k=128) for e in range(3)])
-        res[f"dequant-stacked-{fmt}"] = bool(torch.equal(got, want))
+                            *(None if v is None else v[e] for v in t[2:]), k=i) for e in range(3)])
+        res[f"dequant-stacked-{fmt}" + ("" if i == 128 else f"-k{i}")] = bool(torch.equal(got, want))
     res["seconds"] = time.time() - t0
     print(json.dumps(res))
 """)
@@ -447,11 +462,15 @@ def test_wo_moe_under_interpreter(interpreter_results, name):
 def test_op_triton_backend_under_interpreter(interpreter_results):
     got = interpreter_results["op_triton"]
     assert got["shape"] == [2, 2, 128] and got["worst"] <= 1 and got["rel"] <= 1, got
+    got = interpreter_results["op_triton_tail"]  # H = 192, I = 160
+    assert got["worst"] <= 1 and got["rel"] <= 1, got
 
 
-@pytest.mark.parametrize("fmt", ["int4_g32_actorder", "nvfp4", "int8_tensor_zp", "mxfp8"])
+@pytest.mark.parametrize("fmt", ["int4_g32_actorder", "nvfp4", "int8_tensor_zp", "mxfp8", "mxfp4-k160", "nvfp4-k160",
+                                 "int4_g32_actorder-k160"])
 def test_stacked_dequantize_under_interpreter(interpreter_results, fmt):
-    """dequantize_triton of weights stacked over experts equals quant_math per expert, bit for bit."""
+    """dequantize_triton of weights stacked over experts equals quant_math per expert, bit for bit (K = 160:
+    a partial last block)."""
     assert interpreter_results[f"dequant-stacked-{fmt}"]
 
 
@@ -464,34 +483,37 @@ def _ptxas_available() -> bool:
 
 
 @pytest.mark.skipif(not mw.HAS_TRITON or not _ptxas_available(), reason="triton's NVIDIA backend / ptxas missing")
-@pytest.mark.parametrize("fmt,rows", [("int4_g128", 1), ("nvfp4", 2), ("int4_g32_actorder", 40), ("mxfp8", 8)])
-def test_grouped_kernels_compile_for_sm90(fmt, rows):
+@pytest.mark.parametrize("fmt,rows,k", [("int4_g128", 1, 2048), ("nvfp4", 2, 2048), ("int4_g32_actorder", 40, 2048),
+                                        ("mxfp8", 8, 2048), ("mxfp4", 2, 2880), ("int4_channel_zp", 8, 2880)])
+def test_grouped_kernels_compile_for_sm90(fmt, rows, k):
     """The grouped GEMM with the configuration the op picks (PTX decode on: int4 lop3, e2m1) and the
-    stacked dequantize kernel compile for sm_90."""
+    stacked dequantize kernel compile for sm_90; at K = 2880 (gpt-oss-20b, 22.5 x 128) with the partial
+    last K step masked."""
     from qcompile.kernels import wo_gemm as wg
     from qcompile.kernels import wo_gemm_triton as wt
     from tests.kernels.test_wo_gemm import _compile_sm90
 
     spec = FORMATS[fmt]
     lay = wg.layout_of(spec)
-    cfg = mw.grouped_config(rows * 128, 128, 1536, 2048, spec, torch.device("cpu"))
+    cfg = wg.fit_config(mw.grouped_config(rows * 128, 128, 1536, k, spec, torch.device("cpu")), k, spec)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     cfg.pop("SPLIT_K")
     sk = "*fp32" if lay.scale_kind == wg.SK_FP32 else "*u8"
     gs = "*fp32" if spec.global_scale else None
     g = "*i32" if spec.act_order else None
-    ptrs = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=sk, z_ptr=None, g_ptr=g, gs_ptr=gs, bias_ptr="*bf16",
+    zp = "*fp32" if spec.zero_point else None
+    ptrs = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr=sk, z_ptr=zp, g_ptr=g, gs_ptr=gs, bias_ptr="*bf16",
                 out_ptr="*fp32", ids_ptr="*i32", experts_ptr="*i32", route_ptr="*fp32")
     ints = ("M", "N", "K", "stride_wn", "stride_sn", "k_split_words", "A_DIV", "stride_we", "stride_se", "stride_ge",
             "stride_be")
     common = dict(FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
-                  HAS_ZP=False, ACT_ORDER=g is not None, TILED=False, NATURAL=False, GROUPED=True)
+                  HAS_ZP=zp is not None, ACT_ORDER=g is not None, TILED=False, NATURAL=False, GROUPED=True)
     _compile_sm90(wt._wo_gemm_kernel, ptrs, ints,
-                  dict(common, HAS_BIAS=True, PARTIAL=False, PTX_DECODE=True, ROUTE=True, **cfg),
-                  num_warps=warps, num_stages=stages)
-    _compile_sm90(wt._dequant_kernel, dict(w_ptr="*i32", s_ptr=sk, z_ptr=None, g_ptr=g, gs_ptr=gs, out_ptr="*bf16"),
+                  dict(common, HAS_BIAS=True, PARTIAL=False, PTX_DECODE=True, ROUTE=True,
+                       EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg), num_warps=warps, num_stages=stages)
+    _compile_sm90(wt._dequant_kernel, dict(w_ptr="*i32", s_ptr=sk, z_ptr=zp, g_ptr=g, gs_ptr=gs, out_ptr="*bf16"),
                   ("N", "K", "stride_wn", "stride_sn", "stride_we", "stride_se", "stride_ge"),
-                  dict(common, BLOCK_N=32, BLOCK_K=16 * lay.epw))
+                  dict(common, BLOCK_N=32, BLOCK_K=32 * lay.epw, EVEN_K=k % (32 * lay.epw) == 0))
 
 
 @pytest.mark.skipif(not mw.HAS_TRITON or not _ptxas_available(), reason="triton's NVIDIA backend / ptxas missing")
@@ -509,9 +531,13 @@ def test_activation_kernel_compiles_for_sm90(act):
 # -- on the GPU ------------------------------------------------------------------------------------
 
 GPU_TOKENS = (1, 4, 16, 64, 256)
-GPU_SHAPES = {"e8-h2048-i1408-k2": (8, 2048, 1408, 2), "e32-h1024-i768-k4": (32, 1024, 768, 4)}
+GPU_SHAPES = {"e8-h2048-i1408-k2": (8, 2048, 1408, 2), "e32-h1024-i768-k4": (32, 1024, 768, 4),
+              "e8-h2880-i2880-k4": (8, 2880, 2880, 4)}  # gpt-oss-20b's experts: K = 22.5 x 128
 GPU_FORMATS = ["int4_g128", "int4_g32", "int4_g128_zp", "int4_g32_actorder", "int8_g128", "int8_channel", "nvfp4",
                "mxfp4", "mxfp8"]
+# every format at every shape whose K (H and I) it takes: int4 / int8 g128 not at 2880 (22.5 groups)
+GPU_CASES = [(fmt, shape) for shape, (_, h, i, _) in GPU_SHAPES.items() for fmt in GPU_FORMATS
+             if not any(mw.triton_shape_reason(FORMATS[fmt], 0, kk) for kk in (h, i))]
 
 
 def gpu_moe(fmt, t, shape, activation="silu", dtype=torch.bfloat16, seed=0, bias=False) -> dict:
@@ -550,8 +576,7 @@ def check_gpu(out: torch.Tensor, args: dict, tag: str, on_input: bool = False) -
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", list(GPU_SHAPES))
-@pytest.mark.parametrize("fmt", GPU_FORMATS)
+@pytest.mark.parametrize("fmt,shape", GPU_CASES)
 def test_gpu_matches_reference(fmt, shape):
     """Decode to prefill token counts, default launch configurations, against experts_ref on the GPU."""
     for seed, t in enumerate(GPU_TOKENS):

@@ -142,6 +142,9 @@ def make_case(name: str | WeightSpec, n: int, k: int, m_shape=(3,), dtype=torch.
                 scheme=QuantScheme(spec).key, w_ref=w)
 
 
+# formats run with K not a multiple of BLOCK_K (the interpreter's tail cases)
+TAIL_NAMES = ["nvfp4", "mxfp4", "mxfp8", "int4_g32", "int4_g32_actorder", "int4_channel", "int8_channel_packed",
+              "int8_tensor_zp"]
 ROLES = ("x", "weight", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_g_idx", "bias", "scheme")
 
 
@@ -314,11 +317,15 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
     from dataclasses import replace
     assert os.environ["TRITON_INTERPRET"] == "1"
     from qcompile.kernels import wo_gemm as wg, quant_math as qm
-    from tests.kernels.test_wo_gemm import SPECS, make_case, op_args, reference, dequantized
+    from tests.kernels.test_wo_gemm import SPECS, TAIL_NAMES, make_case, op_args, reference, dequantized
     res = {}
-    # every code of every element format, every e8m0 / e4m3 scale byte: dequant kernel == quant_math
-    n, k = 32, 256
-    for name, spec in SPECS.items():
+    # every code of every element format, every e8m0 / e4m3 scale byte: dequant kernel == quant_math;
+    # K = 288 ends in a partial block (4.5 x 64, 1.125 x 256) where the group allows it
+    n = 32
+    for (name, spec), k in [(ns, k) for k in (256, 288) for ns in SPECS.items()]:
+        if wg.triton_shape_reason(spec, n, k):
+            continue
+        tag = name if k == 256 else f"{name}-k{k}"
         case = make_case(name, n, k, seed=5)
         w = case["weight"]
         if w.dtype == torch.float8_e4m3fn:  # all non-NaN bytes
@@ -335,11 +342,12 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
         spec_w = wg.parse_scheme_key(case["scheme"]).weight
         got = wg.dequantize_triton(w, s, spec_w, case["weight_global_scale"], case["weight_zero_point"],
                                    case["weight_g_idx"], k, torch.float32)
-        res[f"dequant-exact-{name}"] = bool(torch.equal(got, dequantized(case)))
-        tiled = replace(spec_w, tiled=True)  # the same weight in wo_mma's order (quant_math.tile_words)
-        got = wg.dequantize_triton(qm.tile_weight(w, spec_w), s, tiled, case["weight_global_scale"],
-                                   case["weight_zero_point"], case["weight_g_idx"], k, torch.float32)
-        res[f"dequant-exact-tiled-{name}"] = bool(torch.equal(got, dequantized(case)))
+        res[f"dequant-exact-{tag}"] = bool(torch.equal(got, dequantized(case)))
+        if k == 256:  # the same weight in wo_mma's order (quant_math.tile_words)
+            tiled = replace(spec_w, tiled=True)
+            got = wg.dequantize_triton(qm.tile_weight(w, spec_w), s, tiled, case["weight_global_scale"],
+                                       case["weight_zero_point"], case["weight_g_idx"], k, torch.float32)
+            res[f"dequant-exact-tiled-{name}"] = bool(torch.equal(got, dequantized(case)))
     # the GEMM kernel, several configurations, vs the fp64 reference
     def cfgs(epw):
         bk = 16 * epw
@@ -375,6 +383,31 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
         out = torch.ops.qcompile.wo_linear(*op_args(case, "triton")).double()
         ref = reference(case)
         errs[f"op-triton-m{m}"] = [0.0, ((out - ref).norm() / ref.norm()).item()]
+    # K not a multiple of BLOCK_K (gpt-oss: 2880 = 22.5 x 128): the partial last step masked (prefetched
+    # scales too), held by the last K split; x permutation dropped, tiled words stepped by whole chunks
+    for name in TAIL_NAMES:
+        spec = SPECS[name]
+        for k in (288, 320):
+            case = make_case(name, 40, k, (5,), torch.bfloat16, bias=True, seed=k)
+            ref = reference(case)
+            rms = ref.pow(2).mean().sqrt()
+            for cname, cfg in cfgs(wg.layout_of(spec).epw).items():
+                out = wg.wo_gemm(case["x"], case["weight"], case["weight_scale"], case["weight_global_scale"],
+                                 case["weight_zero_point"], case["weight_g_idx"], case["bias"], spec, cfg).double()
+                worst = ((out - ref).abs() / (2.0**-6 * ref.abs() + 2.0**-6 * rms)).max().item()
+                errs[f"tail-{name}-k{k}-{cname}"] = [worst, ((out - ref).norm() / ref.norm()).item()]
+            out = torch.ops.qcompile.wo_linear(*op_args(case, "triton")).double()
+            errs[f"tail-{name}-k{k}-op-triton"] = [0.0, ((out - ref).norm() / ref.norm()).item()]
+    for name in ("int8_channel_packed", "mxfp8"):  # tiled 8-bit words: K = 320 is 5 chunks of 64, not of 128
+        spec = SPECS[name]
+        case = make_case(name, 48, 320, (5,), torch.bfloat16, seed=4)
+        ref = reference(case)
+        out = wg.wo_gemm(case["x"], qm.tile_weight(case["weight"], spec), case["weight_scale"],
+                         case["weight_global_scale"], case["weight_zero_point"], case["weight_g_idx"], case["bias"],
+                         replace(spec, tiled=True), cfgs(4)["dot-bk2-split2"]).double()
+        rms = ref.pow(2).mean().sqrt()
+        worst = ((out - ref).abs() / (2.0**-6 * ref.abs() + 2.0**-6 * rms)).max().item()
+        errs[f"tail-{name}-tiled-k320"] = [worst, ((out - ref).norm() / ref.norm()).item()]
     print(json.dumps({"exact": res, "errors": errs}))
 """)
 
@@ -403,6 +436,33 @@ def _ptxas_available() -> bool:
         return False
 
 
+def _compile_wo_kernels(name: str, m: int, x: str, tiled: bool = False, k: int = 8192):
+    """The GEMM kernel with the launch configuration the op picks for [m, k] x [8192, k] (PTX decode on)
+    and the dequant kernel, compiled for sm_90; K % BLOCK_K != 0 compiles their masked partial step."""
+    from qcompile.kernels import wo_gemm_triton as wt
+    spec = replace(SPECS[name], tiled=tiled)
+    lay = wg.layout_of(spec)
+    cfg = wg.fit_config(wg.pick_config(m, 8192, k, lay, 132), k, spec)
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    split = cfg.pop("SPLIT_K")
+    sk = "*fp32" if lay.scale_kind == wg.SK_FP32 else "*u8"
+    zp = "*i32" if spec.zero_point else None
+    gs = "*fp32" if spec.global_scale else None
+    g = "*i32" if spec.act_order else None
+    ptrs = dict(x_ptr="*" + x, w_ptr="*i32", s_ptr=sk, z_ptr=zp, g_ptr=g, gs_ptr=gs, bias_ptr=None,
+                out_ptr="*fp32" if split > 1 else "*" + x)
+    common = dict(FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
+                  HAS_ZP=zp is not None, ACT_ORDER=g is not None, TILED=tiled,
+                  NATURAL=tiled and quant_math.tiles_natural(spec))
+    _compile_sm90(wt._wo_gemm_kernel, ptrs, ("M", "N", "K", "stride_wn", "stride_sn", "k_split_words"),
+                  dict(common, HAS_BIAS=False, PARTIAL=split > 1, PTX_DECODE=True, EVEN_K=k % cfg["BLOCK_K"] == 0,
+                       **cfg), num_warps=warps, num_stages=stages)
+    _compile_sm90(wt._dequant_kernel, dict(w_ptr="*i32", s_ptr=sk, z_ptr=zp, g_ptr=g, gs_ptr=gs, out_ptr="*bf16"),
+                  ("N", "K", "stride_wn", "stride_sn"),
+                  dict(common, BLOCK_N=32, BLOCK_K=32 * lay.epw, EVEN_K=k % (32 * lay.epw) == 0))
+    return cfg
+
+
 @pytest.mark.skipif(not wg.HAS_TRITON or not _ptxas_available(), reason="triton's NVIDIA backend / ptxas missing")
 @pytest.mark.parametrize("tiled", [False, True], ids=["canonical", "tiled"])
 @pytest.mark.parametrize("name,m,x", [("int4_g128", 1, "bf16"), ("int4_g128", 16, "fp16"), ("int4_g128_zp", 16, "bf16"),
@@ -410,25 +470,17 @@ def _ptxas_available() -> bool:
 def test_triton_kernels_compile_for_sm90(name, m, x, tiled):
     """The GEMM kernel with the launch configuration the op picks (PTX decode on) and the dequant
     kernel compile for sm_90, canonical and tiled words (int4 g128 and int8 channel: in natural-x order)."""
-    from qcompile.kernels import wo_gemm_triton as wt
-    spec = SPECS[name]
-    lay = wg.layout_of(spec)
-    cfg = wg.pick_config(m, 8192, 8192, lay, 132)
-    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    split = cfg.pop("SPLIT_K")
-    sk = "*fp32" if lay.scale_kind == wg.SK_FP32 else "*u8"
-    zp = "*i32" if spec.zero_point else None
-    gs = "*fp32" if spec.global_scale else None
-    ptrs = dict(x_ptr="*" + x, w_ptr="*i32", s_ptr=sk, z_ptr=zp, g_ptr=None, gs_ptr=gs, bias_ptr=None,
-                out_ptr="*fp32" if split > 1 else "*" + x)
-    common = dict(FMT=lay.fmt, EPW=lay.epw, SCALE_KIND=lay.scale_kind, GROUP=lay.group, HAS_GS=gs is not None,
-                  HAS_ZP=zp is not None, ACT_ORDER=False, TILED=tiled,
-                  NATURAL=tiled and quant_math.tiles_natural(spec))
-    _compile_sm90(wt._wo_gemm_kernel, ptrs, ("M", "N", "K", "stride_wn", "stride_sn", "k_split_words"),
-                  dict(common, HAS_BIAS=False, PARTIAL=split > 1, PTX_DECODE=True, **cfg),
-                  num_warps=warps, num_stages=stages)
-    _compile_sm90(wt._dequant_kernel, dict(w_ptr="*i32", s_ptr=sk, z_ptr=zp, g_ptr=None, gs_ptr=gs, out_ptr="*bf16"),
-                  ("N", "K", "stride_wn", "stride_sn"), dict(common, BLOCK_N=32, BLOCK_K=16 * lay.epw))
+    _compile_wo_kernels(name, m, x, tiled)
+
+
+@pytest.mark.skipif(not wg.HAS_TRITON or not _ptxas_available(), reason="triton's NVIDIA backend / ptxas missing")
+@pytest.mark.parametrize("name,m", [("int4_channel", 1), ("int4_g32_actorder", 16), ("nvfp4", 1), ("mxfp4", 16),
+                                    ("mxfp8", 16)])
+def test_triton_kernels_compile_for_sm90_k_tail(name, m):
+    """K = 2880 (gpt-oss-20b's experts: 22.5 x 128): both kernels compile with their partial last K step
+    masked (EVEN_K False), through the PTX decodes (int4 lop3 scaled after the dot, e2m1)."""
+    cfg = _compile_wo_kernels(name, m, "bf16", k=2880)
+    assert 2880 % cfg["BLOCK_K"] and not cfg["X_PERMUTED"]
 
 
 @pytest.mark.skipif(not wg.HAS_TRITON, reason="triton is not installed")
@@ -436,8 +488,8 @@ def test_triton_kernels_under_interpreter():
     """(1) The dequant kernel equals quant_math.dequantize_weight bit for bit (fp32 out) for every
     format, on random words (all codes) and random scale bytes. (2) The GEMM kernel (dot with scales
     after / before the dot, split-K 1-3 with the reduce kernel, x permuted or split in registers,
-    scales prefetched or not; N=40 masks a tile)
-    against the fp64 reference: per output |out - ref| <= 2^-6 (|ref| + rms(ref)), normwise < 1e-2.
+    scales prefetched or not; N=40 masks a tile; K = 288 / 320, not a multiple of BLOCK_K, ends in a
+    partial step, dequantized too) against the fp64 reference: per output |out - ref| <= 2^-6 (|ref| + rms(ref)), normwise < 1e-2.
     The interpreter truncates fp32 -> bf16 (weights scaled before the dot, and the output), so this is
     ~4x the GPU's rounding error; a wrong code, scale or split errs by O(1)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -446,6 +498,7 @@ def test_triton_kernels_under_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not [k for k, ok in res["exact"].items() if not ok], res["exact"]
+    assert {f"dequant-exact-{name}-k288" for name in TAIL_NAMES} <= set(res["exact"])
     bad = {k: v for k, v in res["errors"].items() if not (v[0] <= 1.0 and v[1] < 1e-2)}
     assert not bad, bad
 
@@ -478,8 +531,14 @@ def test_selection_by_capability(monkeypatch):
 def test_selection_reasons(monkeypatch):
     monkeypatch.setitem(registry._AVAILABLE, "triton", True)
     check = wg.check_triton
-    assert check(_q("int4_g128", (9, 0), k=4000)) == "K=4000 not a multiple of 128"
+    assert check(_q("int4_g128", (9, 0), k=4000)) == "K=4000 not a multiple of the group size 128"
     assert check(_q("int8_g128", (9, 0), k=4032)) == "K=4032 not a multiple of the group size 128"
+    assert check(_q("int4_channel", (9, 0), k=4004)) == \
+        "K=4004 not a multiple of 8 (the 4-bit elements of a 32-bit word)"
+    assert check(_q("int8_channel_packed", (9, 0), k=4002)) == \
+        "K=4002 not a multiple of 4 (the 8-bit elements of a 32-bit word)"
+    for name in ("mxfp4", "nvfp4", "mxfp8", "int4_g32"):  # gpt-oss-20b's experts: 2880 = 22.5 x 128
+        assert check(_q(name, (9, 0), n=2880, k=2880)) is None, name
     assert check(_q("int4_g128", (9, 0), act_dtype=torch.float32)) == "needs bf16/fp16 activations, have torch.float32"
     assert check(_q("int4_g128", (9, 0), n=100)) is None  # N is masked: no limit
     assert check(_q("nvfp4", (9, 0))) is None
@@ -505,6 +564,7 @@ GPU_MS = (1, 4, 16, 64, 256)
 GPU_NK = ((4096, 4096), (8192, 8192))
 GPU_NAMES = ["int4_g128", "int4_g32", "int4_channel", "int4_g128_zp", "int4_g32_actorder", "nvfp4", "mxfp4",
              "int8_channel_packed", "int8_g128", "mxfp8"]
+GPU_TAIL_NAMES = ["int4_g32", "int4_g32_actorder", "int4_channel", "nvfp4", "mxfp4", "int8_channel_packed", "mxfp8"]
 
 
 def _gpu_case(name, m, n, k, dtype, seed):
@@ -526,6 +586,20 @@ def test_gpu_triton_matches_reference(name, n, k):
     reference x @ dequantize(W).T on the GPU. Per output: |out - ref| <= 2^-7 |ref| + 2^-6 rms(ref)
     (bf16 output rounding, and weights scaled before the dot rounded to bf16: exact for NVFP4 / MXFP4
     / MXFP8 and for int4 scaled after the dot, 2^-9 relative otherwise); normwise < 4e-3."""
+    _check_triton_on_gpu(name, n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name", GPU_TAIL_NAMES)
+def test_gpu_triton_k_tail_matches_reference(name):
+    """gpt-oss-20b's expert shape as a dense layer: N = K = 2880, not a multiple of BLOCK_K (22.5 x 128),
+    the kernels' partial last K step masked; the bounds of test_gpu_triton_matches_reference."""
+    _check_triton_on_gpu(name, 2880, 2880)
+
+
+def _check_triton_on_gpu(name, n, k):
+    """test_gpu_triton_matches_reference's comparisons for one format and [N, K], M over GPU_MS."""
     for i, m in enumerate(GPU_MS):
         case = _gpu_case(name, m, n, k, torch.bfloat16, seed=i)
         spec = wg.parse_scheme_key(case["scheme"]).weight
