@@ -231,7 +231,7 @@ def _dequantized_experts(x, a_div: int, flat_ids, route, w13: tuple, w2: tuple, 
 
 TUNE_BLOCK_M = (16, 32, 64)  # shared by both GEMMs: one moe_align
 # one GEMM's launch parameters; "words": BLOCK_K in int32 words (x the format's elements per word)
-TUNE_AXES = {"BLOCK_N": (32, 64, 128), "words": (8, 16, 32), "SPLIT_K": (1, 2, 4, 8, 16), "num_warps": (4, 8),
+TUNE_AXES = {"BLOCK_N": (32, 64, 128), "words": (16, 32), "SPLIT_K": (1, 2, 4, 8, 16), "num_warps": (4, 8),
              "num_stages": (2, 3, 4), "SCALE_PREFETCH": (True, False), "X_PERMUTED": (True, False)}
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")  # a GEMM's, and optional:
 CONFIG_FLAGS = ("SCALE_PREFETCH", "X_PERMUTED")
