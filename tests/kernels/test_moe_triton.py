@@ -591,7 +591,9 @@ def test_gpu_launch_configurations(cfg):
     out = mt.fused_moe(**args, config=config, apply_router_weight_on_input=True)
     cpu = {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in args.items()}
     ref = mt.fused_moe_reference(**cpu, apply_router_weight_on_input=True).float()
-    assert float((out.float().cpu() - ref).norm() / ref.norm()) < 1e-2
+    # check_gpu's bf16 bound: on an H200 the folded layouts matched to 1e-4, the others (each pair's y rounded
+    # to bf16 before the top-k sum, whose terms partly cancel without the router weight) 0.3-1.2 % over seeds
+    assert float((out.float().cpu() - ref).norm() / ref.norm()) < 2e-2
 
 
 @pytest.mark.gpu
