@@ -153,14 +153,35 @@ if HAS_TRITON:
         return res
 
     @triton.jit
-    def _scale_offsets(rows, offs_i, w0, stride_sn, EPW: tl.constexpr, GROUP: tl.constexpr, PER_ROW: tl.constexpr):
+    def _scale_offsets(rows, offs_i, w0, stride_sn, EPW: tl.constexpr, GROUP: tl.constexpr, PER_ROW: tl.constexpr,
+                       GPS: tl.constexpr = 0):
         """Offsets of the scales of the K step at word w0: [BN, 1] when one scale per row covers the
-        step, else [BN, BKW], one per word (a group never splits a word: GROUP % EPW == 0)."""
+        step; [BN, GPS], one per group, where GPS > 0 (whole groups per step); else [BN, BKW], one per
+        word (a group never splits a word: GROUP % EPW == 0)."""
         if PER_ROW:
             off = (rows * stride_sn + (0 if GROUP == 0 else (w0 * EPW) // GROUP))[:, None]
+        elif GPS > 0:
+            off = rows[:, None] * stride_sn + ((w0 * EPW) // GROUP + tl.arange(0, GPS))[None, :]
         else:
             off = rows[:, None] * stride_sn + (((w0 + offs_i) * EPW) // GROUP)[None, :]
         return off
+
+    @triton.jit
+    def _scale_ok(offs_i, w0, K, EPW: tl.constexpr, GROUP: tl.constexpr, GPS: tl.constexpr):
+        """[1, GPS] / [1, BKW]: which of _scale_offsets' entries lie inside K (a partial last step)."""
+        if GPS > 0:
+            ok = ((w0 * EPW) // GROUP + tl.arange(0, GPS)) < K // GROUP
+        else:
+            ok = (w0 + offs_i) < K // EPW
+        return ok[None, :]
+
+    @triton.jit
+    def _per_word(v, BLOCK_N: tl.constexpr, BKW: tl.constexpr, GPS: tl.constexpr):
+        """Scales (or zero points) of a step per word [BN, BKW]: from one per group [BN, GPS], each
+        repeated over its group's words, where GPS > 0."""
+        if GPS > 0:
+            v = tl.reshape(tl.broadcast_to(v[:, :, None], (BLOCK_N, GPS, BKW // GPS)), (BLOCK_N, BKW))
+        return v
 
     @triton.jit
     def _x_slices_permuted(x_ptr, offs_m, m_ok, k0, K, BKW: tl.constexpr, EPW: tl.constexpr):
@@ -229,6 +250,7 @@ if HAS_TRITON:
                         EMULATE_DOT: tl.constexpr = False, PTX_DECODE: tl.constexpr = False,
                         SCALE_PREFETCH: tl.constexpr = True, X_PERMUTED: tl.constexpr = False,
                         TILED: tl.constexpr = False, NATURAL: tl.constexpr = False, EVEN_K: tl.constexpr = True,
+                        GROUP_SCALES: tl.constexpr = True,
                         GROUPED: tl.constexpr = False, ROUTE: tl.constexpr = False, ids_ptr=None,
                         experts_ptr=None, route_ptr=None, A_DIV=1, stride_we=0, stride_se=0, stride_ge=0,
                         stride_be=0):
@@ -289,32 +311,38 @@ if HAS_TRITON:
         PER_ROW: tl.constexpr = GROUP == 0 or POST
         # per-word loads masked in a partial step (a row's scale is always there: K % GROUP == 0)
         MASK_S: tl.constexpr = (not EVEN_K) and (not PER_ROW)
+        # groups smaller than the step (NVFP4 16, MX 32, small int groups): with GROUP_SCALES each group's
+        # scale is loaded (and decoded) once per step and repeated over its words in registers, instead of
+        # one gathered byte load per word
+        GPS: tl.constexpr = (BLOCK_K // GROUP if GROUP_SCALES and (not PER_ROW) and (not ACT_ORDER)
+                             and BLOCK_K % GROUP == 0 else 0)
         KW = K // EPW
         w_last = w_hi - BKW if EVEN_K else w_lo + (w_hi - 1 - w_lo) // BKW * BKW  # the last step's start
         if (not ACT_ORDER) and SCALE_PREFETCH:
-            soff = _scale_offsets(rows, offs_i, w_lo, stride_sn, EPW, GROUP, PER_ROW)
-            s_next = _load_k(s_ptr + soff, (w_lo + offs_i < KW)[None, :], MASK_S)
+            soff = _scale_offsets(rows, offs_i, w_lo, stride_sn, EPW, GROUP, PER_ROW, GPS)
+            s_next = _load_k(s_ptr + soff, _scale_ok(offs_i, w_lo, K, EPW, GROUP, GPS), MASK_S)
             if HAS_ZP:
-                z_next = _load_k(z_ptr + soff, (w_lo + offs_i < KW)[None, :], MASK_S)
+                z_next = _load_k(z_ptr + soff, _scale_ok(offs_i, w_lo, K, EPW, GROUP, GPS), MASK_S)
         for w0 in range(w_lo, w_hi, BKW):
             w_ok = (w0 + offs_i < KW)[None, :]
             words = _load_k(w_ptr + _word_offsets(rows, w0 + offs_i, stride_wn, TILED), w_ok, not EVEN_K)  # [BN, BKW]
             k0 = w0 * EPW
             kk = k0 + offs_i * EPW  # first k of each word
             if (not ACT_ORDER) and SCALE_PREFETCH:
-                s = _scale_value(s_next, SCALE_KIND)  # [BN, 1] per row, else [BN, BKW] (per word)
+                s = _per_word(_scale_value(s_next, SCALE_KIND), BLOCK_N, BKW, GPS)  # [BN, 1] per row, else [BN, BKW]
                 if HAS_ZP:
-                    z = z_next.to(tl.float32)
+                    z = _per_word(z_next.to(tl.float32), BLOCK_N, BKW, GPS)
                 w_pre = tl.minimum(w0 + BKW, w_last)
-                soff = _scale_offsets(rows, offs_i, w_pre, stride_sn, EPW, GROUP, PER_ROW)
-                s_next = _load_k(s_ptr + soff, (w_pre + offs_i < KW)[None, :], MASK_S)
+                soff = _scale_offsets(rows, offs_i, w_pre, stride_sn, EPW, GROUP, PER_ROW, GPS)
+                s_next = _load_k(s_ptr + soff, _scale_ok(offs_i, w_pre, K, EPW, GROUP, GPS), MASK_S)
                 if HAS_ZP:
-                    z_next = _load_k(z_ptr + soff, (w_pre + offs_i < KW)[None, :], MASK_S)
+                    z_next = _load_k(z_ptr + soff, _scale_ok(offs_i, w_pre, K, EPW, GROUP, GPS), MASK_S)
             if (not ACT_ORDER) and (not SCALE_PREFETCH):
-                soff = _scale_offsets(rows, offs_i, w0, stride_sn, EPW, GROUP, PER_ROW)
-                s = _scale_value(_load_k(s_ptr + soff, w_ok, MASK_S), SCALE_KIND)
+                soff = _scale_offsets(rows, offs_i, w0, stride_sn, EPW, GROUP, PER_ROW, GPS)
+                s_ok = _scale_ok(offs_i, w0, K, EPW, GROUP, GPS)
+                s = _per_word(_scale_value(_load_k(s_ptr + soff, s_ok, MASK_S), SCALE_KIND), BLOCK_N, BKW, GPS)
                 if HAS_ZP:
-                    z = _load_k(z_ptr + soff, w_ok, MASK_S).to(tl.float32)
+                    z = _per_word(_load_k(z_ptr + soff, s_ok, MASK_S).to(tl.float32), BLOCK_N, BKW, GPS)
             if POST:
                 part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             if FAST_INT4:  # codes - 8 in x.dtype, scaled after the dot
