@@ -250,7 +250,6 @@ if HAS_TRITON:
                         EMULATE_DOT: tl.constexpr = False, PTX_DECODE: tl.constexpr = False,
                         SCALE_PREFETCH: tl.constexpr = True, X_PERMUTED: tl.constexpr = False,
                         TILED: tl.constexpr = False, NATURAL: tl.constexpr = False, EVEN_K: tl.constexpr = True,
-                        GROUP_SCALES: tl.constexpr = True,
                         GROUPED: tl.constexpr = False, ROUTE: tl.constexpr = False, ids_ptr=None,
                         experts_ptr=None, route_ptr=None, A_DIV=1, stride_we=0, stride_se=0, stride_ge=0,
                         stride_be=0):
@@ -311,11 +310,10 @@ if HAS_TRITON:
         PER_ROW: tl.constexpr = GROUP == 0 or POST
         # per-word loads masked in a partial step (a row's scale is always there: K % GROUP == 0)
         MASK_S: tl.constexpr = (not EVEN_K) and (not PER_ROW)
-        # groups smaller than the step (NVFP4 16, MX 32, small int groups): with GROUP_SCALES each group's
-        # scale is loaded (and decoded) once per step and repeated over its words in registers, instead of
-        # one gathered byte load per word
-        GPS: tl.constexpr = (BLOCK_K // GROUP if GROUP_SCALES and (not PER_ROW) and (not ACT_ORDER)
-                             and BLOCK_K % GROUP == 0 else 0)
+        # groups smaller than the step (NVFP4 16, MX 32, small int groups): each group's scale is loaded (and
+        # decoded) once per step and repeated over its words in registers; one gathered byte load per word
+        # took 1.8-3.4x the time (docs/kernels-moe.md)
+        GPS: tl.constexpr = BLOCK_K // GROUP if (not PER_ROW) and (not ACT_ORDER) and BLOCK_K % GROUP == 0 else 0
         KW = K // EPW
         w_last = w_hi - BKW if EVEN_K else w_lo + (w_hi - 1 - w_lo) // BKW * BKW  # the last step's start
         if (not ACT_ORDER) and SCALE_PREFETCH:
