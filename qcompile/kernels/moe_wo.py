@@ -24,9 +24,11 @@ Arguments: those of ``qcompile::experts_ref`` (:mod:`experts_ref`) without the a
 5. ``_moe_sum_kernel``: each token's k pairs and the K splits summed in a fixed order (no atomics,
    deterministic), one rounding to x.dtype.
 
-Launch configurations: the dense kernel's table (``wo_gemm.pick_config``) for the expected rows per
-active expert, K split over the active experts' tiles. ``backend="reference"`` (any device): the
-math above by :func:`experts_ref.reference_experts`.
+Launch configurations (:func:`plan`): a measured choice from wo_tune's tables for the call's format, shape
+and T bucket (measured at first use where tuning is on: :func:`tune_call`), else the rule: the dense
+kernel's table (``wo_gemm.pick_config``) for the expected rows per active expert, K split over the
+active experts' tiles. ``backend="reference"`` (any device): the math above by
+:func:`experts_ref.reference_experts`.
 """
 
 from __future__ import annotations
