@@ -15,10 +15,12 @@ For each expert shape and token count T (random routing, seeded, uniform over th
 
 Weight floor: the bytes of the distinct experts this routing touches (w13 + w2, in the row's element
 size) over the device read bandwidth measured in the same run (:func:`bandwidth_gbps`); "% floor" is
-floor / time.
+floor / time. Each graph replays its calls back to back on one routing, so experts that fit in L2 are read
+from there after the first call; ``--rotate N`` cycles N seeded routings through the calls instead (the floor
+then counts the mean number of experts touched).
 
     python benchmarks/bench_moe.py [--shapes mixtral qwen3-30b-a3b] [--tokens 1 4 16 64 256 4096]
-                                   [--tune] [--weight-only] [--json out.json] [--markdown]
+                                   [--tune] [--weight-only] [--rotate N] [--json out.json] [--markdown]
 
 ``--tune`` runs :func:`qcompile.kernels.moe_config.tune` for every (shape, T, scheme) first (cached on
 disk) and prints the tuned entries in the form of the shipped ``TUNED`` table. ``--dry-run`` runs tiny
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 import sys
@@ -85,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print only the markdown table")
     p.add_argument("--replays", type=int, default=15, help="timed graph replays (median) (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, wall-clock: a smoke test")
+    p.add_argument("--rotate", type=int, default=1, metavar="N",
+                   help="cycle N routings (seeded) through each graph's back-to-back calls, so that small-T calls do "
+                        "not find their experts in L2; the floor counts the mean experts touched (default: 1)")
     p.add_argument("--weight-only", action="store_true",
                    help="add the weight-only rows (OURS_WO, WO_PATHS: qcompile::wo_moe) to each shape")
     return p
@@ -188,32 +194,54 @@ def _layers(e: int, h: int, i: int, k: int, device: str) -> dict:
     return layers
 
 
-def routed_tokens(t: int, e: int, h: int, k: int, device: str):
-    """The inputs of T = t (seeded by t): bf16 x [t, h], k distinct experts per token drawn uniformly,
-    softmaxed router weights, and how many experts the routing touches."""
-    g = torch.Generator(device=device).manual_seed(1000 + t)
+def routed_tokens(t: int, e: int, h: int, k: int, device: str, variant: int = 0):
+    """The inputs of T = t (seeded by t and ``variant``): bf16 x [t, h], k distinct experts per token drawn
+    uniformly, softmaxed router weights, and how many experts the routing touches."""
+    g = torch.Generator(device=device).manual_seed(1000 + t + 100_000 * variant)
     x = torch.randn(t, h, generator=g, device=device).to(torch.bfloat16)
     ids = torch.rand(t, e, generator=g, device=device).argsort(1)[:, :k].to(torch.int32)
     weights = torch.softmax(torch.randn(t, k, generator=g, device=device), 1)
     return x, ids, weights, int(ids.unique().numel())
 
 
-def bench_shape(name: str, shape, tokens, replays: int, bw: float, device: str, log) -> list[dict]:
+def routings(t: int, e: int, h: int, k: int, device: str, rotate: int) -> tuple[list[tuple], float]:
+    """``rotate`` routings of T = t ((x, ids, weights) each) and the mean number of experts they touch."""
+    routes = [routed_tokens(t, e, h, k, device, r) for r in range(rotate)]
+    mean = sum(r[3] for r in routes) / rotate
+    return [r[:3] for r in routes], int(mean) if mean.is_integer() else round(mean, 1)
+
+
+def cycled(make, routes: list[tuple]):
+    """One call per invocation, cycling through ``routes`` (``make(x, ids, weights)`` -> a call): a graph of
+    several calls then reads different experts back to back, not the same ones out of L2."""
+    calls = itertools.cycle([make(*r) for r in routes])
+    return lambda: next(calls)()
+
+
+def _fused_call(layer: dict, device: str):
+    def make(x, ids, weights):
+        args = dict(layer, x=x, topk_ids=ids, topk_weights=weights)
+        if args["a13_scale"] is not None:  # static scales: from this x, and h's likely range
+            args["a13_scale"] = (x.abs().amax().float() / 448.0)
+            args["a2_scale"] = torch.tensor(0.05, device=device)
+        return lambda: mt.fused_moe(**args)
+    return make
+
+
+def bench_shape(name: str, shape, tokens, replays: int, bw: float, device: str, log, rotate: int = 1) -> list[dict]:
     e, h, i, k = shape
     layers = _layers(e, h, i, k, device)
     expert_params = 2 * i * h + h * i
     rows = []
+    p = layers["peer"]
     for t in tokens:
-        x, ids, weights, used = routed_tokens(t, e, h, k, device)
-        p = layers["peer"]
-        fns = {PEERS[0]: (2, functools.partial(bf16_peer, x, ids, weights, p["w13t"], p["w2t"])),
-               PEERS[1]: (1, functools.partial(fp8_peer, x, ids, weights, p["q13t"], p["s13"], p["q2t"], p["s2"]))}
+        routes, used = routings(t, e, h, k, device, rotate)
+        fns = {PEERS[0]: (2, cycled(lambda x, ids, w: functools.partial(bf16_peer, x, ids, w, p["w13t"], p["w2t"]),
+                                    routes)),
+               PEERS[1]: (1, cycled(lambda x, ids, w: functools.partial(fp8_peer, x, ids, w, p["q13t"], p["s13"],
+                                                                        p["q2t"], p["s2"]), routes))}
         for row in OURS:
-            args = dict(layers[row], x=x, topk_ids=ids, topk_weights=weights)
-            if args["a13_scale"] is not None:  # static scales: from this x, and h's likely range
-                args["a13_scale"] = (x.abs().amax().float() / 448.0)
-                args["a2_scale"] = torch.tensor(0.05, device=device)
-            fns[row] = (1, lambda args=args: mt.fused_moe(**args))
+            fns[row] = (1, cycled(_fused_call(layers[row], device), routes))
         for row, (elem_bytes, fn) in fns.items():
             us = _time(fn, t, replays, device)
             floor = used * expert_params * elem_bytes / (bw * 1e9) * 1e6
@@ -254,7 +282,8 @@ def wo_expert_weights(spec: WeightSpec, e: int, n: int, k: int, device: str, see
     return tuple(None if parts[0][j] is None else torch.stack([p[j] for p in parts]) for j in range(3)) + (None, None)
 
 
-def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: str, log) -> list[dict]:
+def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: str, log,
+                   rotate: int = 1) -> list[dict]:
     """The weight-only rows of one shape (OURS_WO, WO_PATHS), rows as :func:`bench_shape`'s; floor: the
     stored bytes (codes and scales) of the experts the routing touches."""
     e, h, i, k = shape
@@ -273,15 +302,17 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
         expert_bytes = sum(v.numel() * v.element_size() for ws in (w13, w2) for v in ws if v is not None) / e
         paths = {row: mw.DEQUANT_ROWS} | (WO_PATHS if n == 0 else {})
         for t in tokens:
-            x, ids, weights, used = routed_tokens(t, e, h, k, device)
+            routes, used = routings(t, e, h, k, device, rotate)
             for label, dequant_rows in paths.items():
-                if label in WO_PATHS and mw.use_triton(x):  # one path forced, on the rule's configurations
-                    fn = functools.partial(mw.wo_moe_triton, x, ids, weights, w13, w2, None, None, "silu", spec, False,
-                                           dequant_rows=dequant_rows)
+                if label in WO_PATHS and mw.use_triton(routes[0][0]):  # one path forced, the rule's configurations
+                    def make(x, ids, w, dequant_rows=dequant_rows):
+                        return functools.partial(mw.wo_moe_triton, x, ids, w, w13, w2, None, None, "silu", spec, False,
+                                                 dequant_rows=dequant_rows)
                 else:  # the op as a model calls it (a measured choice where there is one); CPU: the reference
-                    fn = functools.partial(torch.ops.qcompile.wo_moe, x, ids, weights, *w13, *w2, None, None, "silu",
-                                           scheme, backend="triton" if mw.use_triton(x) else "reference")
-                us = _time(fn, t, replays, device)
+                    def make(x, ids, w):
+                        return functools.partial(torch.ops.qcompile.wo_moe, x, ids, w, *w13, *w2, None, None, "silu",
+                                                 scheme, backend="triton" if mw.use_triton(x) else "reference")
+                us = _time(cycled(make, routes), t, replays, device)
                 floor = used * expert_bytes / (bw * 1e9) * 1e6
                 rows.append(dict(shape=name, tokens=t, row=label, us=us, experts_used=used, floor_us=round(floor, 1),
                                  pct_floor=round(100 * floor / us, 1) if isinstance(us, float) else None))
@@ -342,9 +373,9 @@ def run(args: argparse.Namespace) -> dict:
     bw = bandwidth_gbps(device)
     rows = []
     for name in shapes:
-        rows += bench_shape(name, (SHAPES | TINY)[name], tokens, args.replays, bw, device, log)
+        rows += bench_shape(name, (SHAPES | TINY)[name], tokens, args.replays, bw, device, log, args.rotate)
         if args.weight_only:
-            rows += bench_wo_shape(name, (SHAPES | TINY)[name], tokens, args.replays, bw, device, log)
+            rows += bench_wo_shape(name, (SHAPES | TINY)[name], tokens, args.replays, bw, device, log, args.rotate)
         if device == "cuda":
             torch.cuda.empty_cache()
     result = dict(device=label, bandwidth_gbps=round(bw, 1), rows=rows, tuned=tuned)

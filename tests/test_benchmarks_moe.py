@@ -33,6 +33,23 @@ def test_bench_moe_dry_run(tmp_path, capsys):
     assert "| ours FP8 128-block |" in table and "dry run" in table
 
 
+def test_bench_moe_rotated_routings(tmp_path):
+    """--rotate cycles several routings through the timed calls: every row still times, and the floor counts
+    the mean number of experts the routings touch."""
+    bench = _load()
+    out = tmp_path / "moe.json"
+    assert bench.main(["--dry-run", "--markdown", "--rotate", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    _, used = bench.routings(3, 8, 256, 2, "cpu", 3)
+    assert all(isinstance(r["us"], float) for r in rows if r["row"] in bench.OURS)
+    assert {r["experts_used"] for r in rows if r["tokens"] == 3} == {used}
+    calls = []
+    fn = bench.cycled(lambda x, ids, w: lambda: calls.append(int(ids.sum())), bench.routings(3, 8, 256, 2, "cpu", 3)[0])
+    for _ in range(6):
+        fn()
+    assert calls[:3] == calls[3:] and len(set(calls[:3])) > 1  # three different routings, in turn
+
+
 def test_peers_match_the_reference():
     """The bf16 grouped-GEMM peer computes the same layer as qcompile's reference (bf16 weights, so a
     loose normwise bound: the peer keeps activations unquantized)."""
