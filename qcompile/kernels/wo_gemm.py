@@ -220,10 +220,11 @@ def fit_config(cfg: dict, k: int, spec: WeightSpec) -> dict:
 def launch(x2: torch.Tensor, weight, scale, global_scale, zero_point, g_idx, bias, spec: WeightSpec, cfg: dict,
            dest: torch.Tensor, m: int, grid_m: int, **grouped) -> None:
     """One launch of ``_wo_gemm_kernel`` writing ``dest`` ([m, N] in x2.dtype, or fp32 partials
-    [split, m, N]). ``grouped``: the kernel's GROUPED arguments (:mod:`moe_wo`); the weight and its
-    tensors are then stacked over experts, and their expert strides are filled in here."""
+    [split, m, N]) with ``cfg`` as :func:`fit_config` gives it for this K (the caller sized ``dest`` from
+    it). ``grouped``: the kernel's GROUPED arguments (:mod:`moe_wo`); the weight and its tensors are then
+    stacked over experts, and their expert strides are filled in here."""
     k, n = x2.shape[1], weight.shape[-2]
-    cfg = dict(fit_config(cfg, k, spec))
+    cfg = dict(cfg)
     lay = layout_of(spec)
     split, k_split = splits(k, cfg)
     del cfg["SPLIT_K"]

@@ -70,19 +70,19 @@ def m_bucket(m: int) -> int | None:
 def key_of(spec: WeightSpec, x_dtype: torch.dtype, n: int, k: int, m: int) -> str | None:
     """``<scheme key>|<x dtype>|<N>x<K>|m<bucket>``; None above the last bucket."""
     b = m_bucket(m)
-    return None if b is None else _key(spec, x_dtype, n, f"x{k}", f"m{b}")
+    return None if b is None else _key(spec, x_dtype, f"{n}x{k}", f"m{b}")
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every call
-def _key(spec: WeightSpec, x_dtype: torch.dtype, shape, shape_tail: str, bucket: str) -> str:
-    return f"{QuantScheme(spec).key}|{str(x_dtype).removeprefix('torch.')}|{shape}{shape_tail}|{bucket}"
+def _key(spec: WeightSpec, x_dtype: torch.dtype, shape: str, bucket: str) -> str:
+    return f"{QuantScheme(spec).key}|{str(x_dtype).removeprefix('torch.')}|{shape}|{bucket}"
 
 
 def moe_key(spec: WeightSpec, x_dtype: torch.dtype, e: int, topk: int, n1: int, h: int, i: int, t: int) -> str | None:
     """Key of a ``qcompile::wo_moe`` layer call (E experts, top-k, w13 [n1, h], w2 [h, i], T tokens):
     ``<scheme key>|<x dtype>|moe E<e> k<topk> <n1>x<h> <h>x<i>|t<bucket>``; None above the last bucket."""
     b = m_bucket(t)
-    return None if b is None else _key(spec, x_dtype, f"moe E{e} k{topk} {n1}x{h} {h}x{i}", "", f"t{b}")
+    return None if b is None else _key(spec, x_dtype, f"moe E{e} k{topk} {n1}x{h} {h}x{i}", f"t{b}")
 
 
 def file_name(gpu_name: str) -> str:
