@@ -22,6 +22,8 @@ from qcompile.kernels import cuda_driver, wo_mma, wo_policy
 from qcompile.kernels.registry import KernelQuery
 from qcompile.scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, ScaleSpec, WeightSpec
 
+from tests.gpu_util import graph_replay
+
 from .test_wo_gemm import SPECS, _gpu_case, op_args, sorted_case
 
 HAS_CUDA = torch.cuda.is_available()
@@ -826,15 +828,8 @@ def test_gpu_mma_cuda_graph():
     case = _gpu_case("nvfp4", 4, 4096, 4096, torch.bfloat16, seed=5)
     fn = lambda: torch.ops.qcompile.wo_linear(*op_args(case, "mma"))  # noqa: E731
     want = fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = fn()
-    for _ in range(3):
+    got, graph = graph_replay(fn, lambda: None)
+    for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
