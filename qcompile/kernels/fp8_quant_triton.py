@@ -8,7 +8,7 @@ recipe                      launches               scale returned
 ==========================  =====================  ===============================================
 static per-tensor           1                      the given ``[]`` scale
 dynamic per-token           1                      ``[M, 1]`` contiguous (RowWise)
-dynamic per-1x128-group     1                      ``[rows, K/128]``, strides ``(1, rows)`` (BlockWise1x128)
+dynamic per-1x128-group     1                      ``[rows, ceil(K/128)]``, strides ``(1, rows)`` (BlockWise1x128)
 dynamic per-tensor          2 (partial amax, quant)  ``[]``
 ==========================  =====================  ===============================================
 
@@ -232,15 +232,16 @@ def quantize_dynamic_token(x: torch.Tensor, native: bool | None = None, int8: bo
 
 def quantize_dynamic_group(x: torch.Tensor, group: int = 128, rows: int | None = None,
                            native: bool | None = None):
-    """x [M, K] contiguous (K % group == 0) -> (q [rows, K] fp8, scale [rows, K/group] with strides
-    (1, rows): the outer-dim-major layout ``F.scaled_mm`` wants for BlockWise1x128)."""
+    """x [M, K] contiguous -> (q [rows, K] fp8, scale [rows, ceil(K/group)] with strides (1, rows): the
+    outer-dim-major layout ``F.scaled_mm`` wants for BlockWise1x128). When K % group != 0 the last
+    group holds the K % group last columns (``quant_math.groups``)."""
     m, k = x.shape
     rows = m if rows is None else rows
-    ng = k // group
+    ng = -(-k // group)
     scale = torch.empty((ng, rows), dtype=torch.float32, device=x.device).t()  # [rows, ng], strides (1, rows)
     if not use_triton(x):
         s = quant_math.dynamic_fp8_scale(x, Granularity.GROUP, group)  # [M, ng]
-        q = quant_math.quantize_fp8(x.float().view(m, ng, group), s.unsqueeze(-1)).view(m, k)
+        q = quant_math.quantize_fp8(quant_math.groups(x, group), s.unsqueeze(-1)).view(m, -1)[:, :k].contiguous()
         scale.fill_(MIN_SCALE)
         scale[:m].copy_(s)
         return _pad_rows(q, rows), scale

@@ -132,7 +132,7 @@ def _act_operand(a: torch.Tensor, q: MoeQuant, static_scale, fuse: bool):
     Fused: ``a`` itself, quantized in the GEMM's prologue. Else quantized here by one kernel."""
     if static_scale is not None:
         static_scale = static_scale.reshape(()).float()
-    if fuse or (q.a_gran == G_BLOCK and a.shape[1] % 128):  # partial last group: the prologue only
+    if fuse:
         mode = A_STATIC if q.a_static else A_DYNAMIC
         return a, static_scale if q.a_static else a, mode, 0, 0
     if q.int8:  # static per tensor, or dynamic per token with the MoE's least scale

@@ -217,6 +217,11 @@ def test_torch_fallback_layouts_match_triton_contract():
     assert torch.equal(q[3:].float(), torch.zeros(5, 256))
     q, s = fq.quantize_dynamic_token(x)
     assert s.shape == (3, 1)
+    x = torch.randn(3, 320).bfloat16()  # a partial last group of 64 columns
+    q, s = fq.quantize_dynamic_group(x, 128, rows=4)
+    qr, sr = quant_math.quantize_activation(x, fp8_scheme("block", "dynamic_group").act)
+    assert q.shape == (4, 320) and s.shape == (4, 3) and s.stride() == (1, 4)
+    assert torch.equal(q[:3].view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s[:3], sr)
 
 
 # -- Triton activation quant under the interpreter (subprocess: TRITON_INTERPRET is read at import) --
@@ -232,7 +237,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
     same = lambda a, b: torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     res = {}
     for dt in (torch.bfloat16, torch.float16):
-        for m, k in ((1, 128), (5, 384), (3, 2176)):
+        for m, k in ((1, 128), (5, 384), (3, 2176), (2, 320)):  # 320: a partial last 1x128 group
             x = (torch.randn(m, k) * torch.rand(m, 1) * 10)
             x[0, :4] = torch.tensor([0.0, -0.0, 3e-4, -1e-6])
             x = x.to(dt)

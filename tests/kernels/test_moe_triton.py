@@ -31,6 +31,7 @@ from qcompile.errors import ConfigError, UnsupportedError
 from qcompile.kernels import moe_config as mc
 from qcompile.kernels import moe_kernels as mk
 from qcompile.kernels import moe_triton as mt
+from qcompile.kernels import quant_math
 from qcompile.scheme import ActSpec, Granularity, QDtype, QuantScheme, ScaleSpec, WeightSpec, fp8_scheme
 from tests.gpu_util import graph_replay
 from tests.opcheck_util import opcheck
@@ -262,6 +263,17 @@ def test_reference_swigluoai_biases_and_partial_groups():
         assert no_bias["rel"] > 10 * got["rel"] + 1e-3, (name, no_bias)  # the bias is applied
 
 
+def test_partial_last_group_quantized_by_the_separate_kernel():
+    """K = 320 (two 1x128 groups and one of 64): without prologue quantization the GEMM gets the codes and
+    the [M, ceil(K/128)] group scales of the separate quantization kernel, as when K is a multiple of 128."""
+    q = mt.moe_quant(SCHEMES["fp8_block_group"])
+    a = (torch.randn(5, 320, generator=torch.Generator().manual_seed(3)) * 3).bfloat16()
+    codes, scale, mode, strides = mt._unpack(mt._act_operand(a, q, None, fuse=False))
+    want_codes, want_scale = quant_math.quantize_activation(a, q.scheme.act)
+    assert mode == mk.A_CODES and tuple(scale.shape) == (5, 3) and strides == scale.stride()
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
 # -- launch configurations -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["fp8_tensor_static", "fp8_block_group", "fp8_tensor_dyntensor", "int8_channel_token"])
@@ -485,6 +497,9 @@ PIPELINE_CASES.update({
     "fp8_block_group-partial-aligned": ("fp8_block_group", ALIGNED, dict(t=5, h=192, i=176)),
     "fp8_block_group-partial-decode": ("fp8_block_group", DECODE, dict(t=2, e=8, h=192, i=176)),
     "fp8_block_token-partial-wide": ("fp8_block_token", WIDE, dict(t=9, h=192, i=176, activation="swigluoai")),
+    # K = 320 and 288: two full 128-blocks and a partial one, activations quantized by the separate kernel
+    "fp8_block_group-partial-k320-aligned": ("fp8_block_group", ALIGNED, dict(t=5, h=320, i=288)),
+    "fp8_block_group-partial-k320-prefill": ("fp8_block_group", PREFILL, dict(t=24, k=2, e=4, h=320, i=288)),
 })
 
 
