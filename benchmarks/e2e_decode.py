@@ -3,6 +3,7 @@
 quantized checkpoints run by qcompile with CUDA graphs.
 
     python benchmarks/e2e_decode.py --quick                           # 4 layers: a first check (GPU)
+    python benchmarks/e2e_decode.py --quick --interleave --batch 1    # batch-1 speed-ups, rounds alternated
     python benchmarks/e2e_decode.py --formats bf16 modelopt-fp8 --json a.json
     python benchmarks/e2e_decode.py --arch qwen3_moe --hf-generate --json moe.json
     python benchmarks/e2e_decode.py --tiny --device cpu --hf-generate  # smoke test of every path, anywhere
@@ -10,17 +11,20 @@ quantized checkpoints run by qcompile with CUDA graphs.
 The bf16 weights are made on the device (seeded); each quantized checkpoint is quantized there by
 ``qcompile.synth.write_model`` (the producers' on-disk bytes), written to a temporary directory as
 safetensors shards and loaded by ``qcompile.load``, so the loader is what runs. Models are measured one after
-another (not interleaved), each freed before the next loads. Per model: weight memory; decode tokens/s of an
-own greedy loop (StaticCache, one compiled step per token, CUDA graphs) at each ``--batch``, against the
-weight-read floor (bytes one step reads / the device-to-device copy bandwidth measured in the same run);
-the compiled prefill of ``--prefill`` tokens at batch 1; logits errors on a 32-token probe (compiled vs
-eager, and vs the dequantized bf16 model); with ``--hf-generate``, ``model.generate`` with a static cache and
-a CompileConfig (qcompile backend, its CUDA graphs), decode tokens/s next to the own loop's.
+another, each freed before the next loads; with ``--interleave`` all are built and their decode steps captured
+first, then the decode rounds alternate between them (order rotated each round). Per model: weight memory;
+decode tokens/s of an own greedy loop (StaticCache, one compiled step per token, CUDA graphs) at each
+``--batch``, the median of ``--reps`` rounds and their spread, against the weight-read floor (bytes one step
+reads / the device-to-device copy bandwidth measured in the same run); the compiled prefill of ``--prefill``
+tokens at batch 1; logits errors on a 32-token probe (compiled vs eager, and vs the dequantized bf16 model);
+with ``--hf-generate``, ``model.generate`` with a static cache and a CompileConfig (qcompile backend, its CUDA
+graphs), decode tokens/s next to the own loop's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -30,6 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -37,12 +42,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # e2e_models, and this checkout's qcompile
 import e2e_models as em
 
+from qcompile.errors import QCompileError, UnsupportedError
+
 DENSE_FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "ct-w4a16", "ct-nvfp4")
 MOE_FORMATS = ("bf16", "online-fp8", "modelopt-fp8", "ct-w4a16", "ct-nvfp4")
 ONLINE = {"online-fp8": "fp8_per_tensor", "online-fp8-block": "fp8_per_block"}
-NOTE = ("models measured one after another (not interleaved); tok/s counts the tokens of all sequences; "
-        "floor = weight bytes one decode step reads / copy bandwidth (input embedding excluded; MoE: experts "
-        "touched under uniform routing)")
+
+
+def note(interleaved: bool) -> str:
+    """The table's legend."""
+    order = ("models built together, their decode rounds interleaved (order rotated each round)" if interleaved
+             else "models measured one after another")
+    return (f"{order}; decode tok/s: median of the rounds, counting the tokens of all sequences; spread: (max - min) "
+            "/ median of the rounds' tok/s; floor = weight bytes one decode step reads / copy bandwidth (input "
+            "embedding excluded; MoE: experts touched under uniform routing)")
 
 
 def parse_args(argv=None):
@@ -59,6 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
     p.add_argument("--tokens", type=int, default=64, help="decode steps per timed round")
     p.add_argument("--reps", type=int, default=5, help="timed rounds per measurement (median)")
+    p.add_argument("--interleave", action="store_true",
+                   help="build every model and capture its decode steps first, then alternate the decode rounds "
+                        "between the models (order rotated each round), so that all figures and speed-ups come from "
+                        "the same conditions; all models must fit in device memory together: meant for the 4-layer "
+                        "--quick and the MoE shapes")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens before decoding")
     p.add_argument("--prefill", type=int, default=2048, help="prefill length timed at batch 1 (0: skip)")
     p.add_argument("--hf-generate", action="store_true", help="also time model.generate with a CompileConfig")
@@ -87,6 +105,11 @@ def parse_args(argv=None):
     return args
 
 
+def model_name(fmt: str) -> str:
+    """The model's row in the results."""
+    return fmt if fmt == "bf16" else f"{fmt} qcompile"
+
+
 def write_checkpoints(model, args, root: str) -> dict:
     """Every checkpoint the run loads, written from the bf16 ``model`` where it is (online formats load
     the bf16 checkpoint); format -> (path, seconds to write)."""
@@ -103,14 +126,23 @@ def write_checkpoints(model, args, root: str) -> dict:
     return {f: written["bf16" if f in ONLINE else f] for f in bases if f != "bf16"}
 
 
-def measure(name: str, model, args, quantized: bool, kernels: str | None = None) -> dict:
-    """Every measurement of one model (see the module docstring)."""
+@dataclasses.dataclass
+class Held:
+    """A loaded model, its results so far, and what its decode timing needs."""
+    model: torch.nn.Module
+    out: dict  # its entry of the results
+    compile_fn: Callable  # the decode step's compiler (CUDA graphs on the GPU)
+    backend: object | None  # the qcompile backend behind compile_fn (its explain rows); None for bf16
+    decoders: dict | None = None  # batch -> em.Decoder, compiled and warm (build_decoders)
+
+
+def compilers(args, quantized: bool, kernels: str | None) -> tuple:
+    """(the qcompile backend or None, the compile function of the timed steps, that of the error probe)."""
     import qcompile
 
-    cuda = args.device == "cuda"
-    fullgraph = not args.no_fullgraph
-    graphs = cuda and args.inner == "inductor"
-    be = qcompile.backend(cudagraphs=graphs, inner=args.inner, kernels=kernels) if quantized else None
+    cuda, fullgraph = args.device == "cuda", not args.no_fullgraph
+    be = qcompile.backend(cudagraphs=cuda and args.inner == "inductor", inner=args.inner, kernels=kernels) \
+        if quantized else None
 
     def compile_fn(f):
         if quantized:
@@ -123,32 +155,75 @@ def measure(name: str, model, args, quantized: bool, kernels: str | None = None)
         return torch.compile(f, backend=qcompile.backend(inner=args.inner, kernels=kernels) if quantized else args.inner,
                              dynamic=False)
 
-    out = {"weight_bytes": em.tensor_bytes(model)}
+    return be, compile_fn, probe_compile
+
+
+def prepare(name: str, fmt: str, make, args, results: dict) -> Held:
+    """Load one model (``make()``) and take its per-model measurements: weight memory, logits errors, prefill,
+    HF generate (see the module docstring)."""
+    t0 = time.perf_counter()
+    model = make()
+    em.sync(args.device)
+    out = results[name] = {"load_s": time.perf_counter() - t0, "weight_bytes": em.tensor_bytes(model)}
+    quantized = fmt != "bf16"
+    be, compile_fn, probe_compile = compilers(args, quantized, fmt.partition("@")[2] or None)
     probe = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
     out["errors"] = em.logits_errors(model, probe_compile, probe.to(args.device), quantized)
-    for b in args.batch:
-        out[f"decode_b{b}"] = em.decode_tok_s(model, compile_fn, args.device, b, args, args.profile)
-        floor_s = em.read_bytes(model, b) / args.bandwidth
-        out[f"decode_b{b}"].update(floor_ms_per_step=1e3 * floor_s,
-                                   pct_of_floor=100 * floor_s * 1e3 / out[f"decode_b{b}"]["ms_per_step"])
-        print(f"  {name} batch {b}: {out[f'decode_b{b}']['tok_s']:.0f} tok/s", flush=True)
-        for kname, us, count in out[f"decode_b{b}"].get("kernels", []):
-            print(f"    {us:8.1f} us/step  x{count:<5g} {kname}", flush=True)
     if args.prefill:
         out["prefill_ms"] = em.prefill_ms(model, compile_fn, args.device, args.prefill, args.reps)
-    if quantized:
-        out["kernels"] = kernel_summary(be.rows, model)
-        print(be.explain() if args.tiny else "\n".join(be.explain().splitlines()[:4]), flush=True)
     if args.hf_generate:
         torch._dynamo.reset()
-        out["hf_generate_b1"] = em.generate_tok_s(model, em.compile_config(quantized, cuda, args.inner), args.device, 1,
-                                                  args.prompt, args.tokens, args.reps)
-        out["hf_generate_b1"]["vs_own_loop"] = out["hf_generate_b1"]["tok_s"] / out["decode_b1"]["tok_s"] \
-            if "decode_b1" in out else None
+        out["hf_generate_b1"] = em.generate_tok_s(model, em.compile_config(quantized, args.device == "cuda", args.inner),
+                                                  args.device, 1, args.prompt, args.tokens, args.reps)
         if quantized:
             # generate() compiles with backend="qcompile" (a copy of the config): the rows explain() reads
             out["hf_generate_kernels"] = kernel_summary(sys.modules["qcompile.backend"]._LAST, model)
-    return out
+    return Held(model, out, compile_fn, be)
+
+
+def build_decoders(held: Held, args) -> dict:
+    """The model's decode step at each ``--batch`` ({batch: Decoder}): compiled, captured (CUDA graphs) and warmed
+    up by one round."""
+    decoders = {}
+    for b in args.batch:
+        decoders[b] = em.Decoder(held.model, held.compile_fn, args.device, b, args.prompt, args.tokens * (args.reps + 3))
+        decoders[b].run(args.tokens)
+    return decoders
+
+
+def decode_rounds(decoders: dict, args) -> dict:
+    """The timed decode rounds of every model ({name: {batch: Decoder}}): in round r, at each batch size, every
+    model runs ``--tokens`` steps once, in the models' order rotated by r (no model always runs first).
+    {(name, batch): [seconds of each round]}; one model: its ``--reps`` rounds."""
+    names = list(decoders)
+    times: dict = {(name, b): [] for name in names for b in args.batch}
+    for r in range(args.reps):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for b in args.batch:
+            for name in order:
+                times[name, b].append(decoders[name][b].run(args.tokens))
+    return times
+
+
+def finish(name: str, held: Held, times: dict, args) -> None:
+    """The model's decode figures from its rounds (against the weight-read floor), the kernels it ran and, with
+    ``--profile``, the GPU kernels of its decode step."""
+    out = held.out
+    for b in args.batch:
+        d = out[f"decode_b{b}"] = em.decode_figures(b, args.tokens, times[name, b])
+        floor_s = em.read_bytes(held.model, b) / args.bandwidth
+        d.update(floor_ms_per_step=1e3 * floor_s, pct_of_floor=100 * floor_s * 1e3 / d["ms_per_step"])
+        print(f"  {name} batch {b}: {d['tok_s']:.0f} tok/s (spread {d['spread_pct']:.0f} %)", flush=True)
+        if args.profile and args.device == "cuda":
+            d["kernels"] = em.profile_kernels(held.decoders[b], args.tokens, args.profile)
+            for kname, us, count in d["kernels"]:
+                print(f"    {us:8.1f} us/step  x{count:<5g} {kname}", flush=True)
+    if held.backend is not None:
+        out["kernels"] = kernel_summary(held.backend.rows, held.model)
+        print(held.backend.explain() if args.tiny else "\n".join(held.backend.explain().splitlines()[:4]), flush=True)
+    if args.hf_generate:
+        out["hf_generate_b1"]["vs_own_loop"] = out["hf_generate_b1"]["tok_s"] / out["decode_b1"]["tok_s"] \
+            if "decode_b1" in out else None
 
 
 def kernel_summary(rows, model) -> dict:
@@ -164,21 +239,57 @@ def kernel_summary(rows, model) -> dict:
     return {"by_op": summary, "experts_layers": experts}
 
 
-def run_model(fmt: str, make, args, results: dict) -> None:
-    """Load (``make()``), measure and free one model; a failure is recorded and the run goes on."""
-    name = fmt if fmt == "bf16" else f"{fmt} qcompile"
+def out_of_memory(e: BaseException | None) -> bool:
+    """Whether ``e`` is, or was raised from, CUDA running out of memory (torch.compile wraps its backend's errors)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, torch.OutOfMemoryError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def attempt(names: list[str], results: dict, fn, *fn_args, together: int = 1):
+    """``fn(*fn_args)``; a failure is recorded as the result of ``names`` and the run goes on (None returned),
+    except CUDA running out of memory while building one of ``together`` > 1 models held at once (``--interleave``):
+    an UnsupportedError naming the model."""
     try:
-        t0 = time.perf_counter()
-        model = make()
-        em.sync(args.device)
-        load_s = time.perf_counter() - t0
-        results[name] = {"load_s": load_s, **measure(name, model, args, quantized=fmt != "bf16",
-                                                     kernels=fmt.partition("@")[2] or None)}
-    except Exception as e:  # noqa: BLE001  (one model failing must not lose the others' figures)
+        return fn(*fn_args)
+    except Exception as e:  # one model failing must not lose the others' figures
+        if together > 1 and out_of_memory(e):
+            raise UnsupportedError(
+                f"CUDA ran out of memory while building it for --interleave, which holds all {together} models "
+                f"and their captured decode steps at once ({str(e).splitlines()[0][:200]})",
+                where=f"model {names[0]!r}",
+                fix="drop --interleave (the models then run one after another, each freed before the next loads) or "
+                    "pass fewer --formats; --interleave is meant for the 4-layer --quick and the MoE shapes") from e
         traceback.print_exc()
-        results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        for name in names:
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        return None
+
+
+def run_group(makers: dict, args, results: dict) -> None:
+    """Load and measure the models of ``makers`` ({name: (format, make)}), build every decode step of them all,
+    time their decode rounds (``decode_rounds``: interleaved when there are several), then free them all.
+    One model per group is the sequential mode; all models in one group is ``--interleave``."""
+    held: dict = {}
+    try:
+        for name, (fmt, make) in makers.items():
+            held[name] = attempt([name], results, prepare, name, fmt, make, args, results, together=len(makers))
+            torch._dynamo.reset()  # the per-model compiles go; the timed steps are compiled next, none reset after
+        held = {name: h for name, h in held.items() if h is not None}
+        for name, h in list(held.items()):
+            h.decoders = attempt([name], results, build_decoders, h, args, together=len(makers))
+            if h.decoders is None:
+                del held[name]
+        times = attempt(list(held), results, decode_rounds, {name: h.decoders for name, h in held.items()}, args) \
+            if held else None
+        for name, h in held.items() if times else ():
+            attempt([name], results, finish, name, h, times, args)
     finally:
-        model = None
+        held = h = None
         torch._dynamo.reset()
         gc.collect()
         if args.device == "cuda":
@@ -187,7 +298,7 @@ def run_model(fmt: str, make, args, results: dict) -> None:
 
 def table(results: dict, args) -> str:
     batches = args.batch
-    head = (["model", "weight MiB"] + [f"decode b{b} tok/s (ms/step, % floor)" for b in batches]
+    head = (["model", "weight MiB"] + [f"decode b{b} tok/s (ms/step, % floor, vs bf16; spread)" for b in batches]
             + ([f"prefill {args.prefill} ms"] if args.prefill else [])
             + (["generate b1 tok/s (vs own)"] if args.hf_generate else []) + ["compiled vs eager", "vs dequant bf16"])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -199,8 +310,9 @@ def table(results: dict, args) -> str:
         cells = [name, f"{r['weight_bytes'] / 2**20:.0f}"]
         for b in batches:
             d, ref = r[f"decode_b{b}"], base.get(f"decode_b{b}")
-            up = f", {d['tok_s'] / ref['tok_s']:.2f}x" if ref and name != "bf16" else ""
-            cells.append(f"{d['tok_s']:.0f} ({d['ms_per_step']:.2f}, {d['pct_of_floor']:.0f} %{up})")
+            up = f", {d['tok_s'] / ref['tok_s']:.2f}x" if ref and name != "bf16" else ""  # of the medians
+            spread = f"; spread {d['spread_pct']:.0f} %" if "spread_pct" in d else ""
+            cells.append(f"{d['tok_s']:.0f} ({d['ms_per_step']:.2f}, {d['pct_of_floor']:.0f} %{up}{spread})")
         if args.prefill:
             cells.append(f"{r['prefill_ms']:.1f}")
         if args.hf_generate:
@@ -220,7 +332,8 @@ def merge(files: list[str]) -> dict:
     bandwidths = " / ".join(f"{run['bandwidth_bytes_s'] / 1e9:.0f}" for run in runs)
     print(f"GPU: {', '.join(sorted({run['gpu'] for run in runs}))}; copy bandwidth "
           f"{bandwidths} GB/s\n"
-          + "\n".join(f"command: `{run['command']}`" for run in runs) + f"\n{NOTE}\n\n{table(results, args)}")
+          + "\n".join(f"command: `{run['command']}`" for run in runs)
+          + f"\n{note(len(runs) == 1 and getattr(args, 'interleave', False))}\n\n{table(results, args)}")
     return results
 
 
@@ -240,30 +353,37 @@ def main(argv=None):
     root = args.workdir or tempfile.mkdtemp(prefix="qcompile-e2e-")
     results: dict = {}
     bf16 = [em.build_bf16(config, args.device)]
-    paths = write_checkpoints(bf16[0], args, root)
-    if "bf16" in args.formats:
-        run_model("bf16", bf16.pop, args, results)  # pop: run_model holds the only reference, then frees it
-    bf16.clear()
+    try:
+        paths = write_checkpoints(bf16[0], args, root)
+        if "bf16" not in args.formats:
+            bf16.clear()
+
+        def maker(fmt: str):
+            if fmt == "bf16":
+                return bf16.pop  # the model's only reference goes to the run, which frees it
+            base = fmt.split("@")[0]
+            return lambda: qcompile.load(paths[base][0], device=args.device, online=ONLINE.get(base)).eval()
+
+        makers = {model_name(fmt): (fmt, maker(fmt)) for fmt in args.formats}
+        for group in [makers] if args.interleave else [{name: m} for name, m in makers.items()]:
+            run_group(group, args, results)
+    finally:
+        bf16.clear()
+        if not args.workdir:
+            shutil.rmtree(root, ignore_errors=True)
     for fmt in args.formats:
-        if fmt == "bf16":
-            continue
-        base = fmt.split("@")[0]
-        path, write_s = paths[base]
-        run_model(fmt, lambda path=path, base=base: qcompile.load(path, device=args.device, online=ONLINE.get(base)).eval(),
-                  args, results)
-        results[f"{fmt} qcompile"]["write_s"] = write_s
-    if not args.workdir:
-        shutil.rmtree(root, ignore_errors=True)
+        if fmt != "bf16":
+            results[model_name(fmt)]["write_s"] = paths[fmt.split("@")[0]][1]
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     report = (f"GPU: {gpu}; torch {torch.__version__}; copy bandwidth {args.bandwidth / 1e9:.0f} GB/s\n"
-              f"command: `{command}`\n{NOTE}\n\n{table(results, args)}")
+              f"command: `{command}`\n{note(args.interleave)}\n\n{table(results, args)}")
     print("\n" + report)
     for name, r in results.items():
         if "kernels" in r:
             print(f"{name} kernels: {json.dumps(r['kernels'])}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": gpu, "torch": torch.__version__, "command": command, "note": NOTE,
+            json.dump({"gpu": gpu, "torch": torch.__version__, "command": command, "note": note(args.interleave),
                        "bandwidth_bytes_s": args.bandwidth, "config": config.to_dict(),
                        "args": {k: v for k, v in vars(args).items() if k != "bandwidth"}, "results": results},
                       f, indent=2, default=str)
@@ -271,4 +391,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except QCompileError as e:  # a message for the user, not a stack trace
+        sys.exit(f"e2e_decode: error: {e}")

@@ -145,28 +145,25 @@ class Decoder:
         return time.perf_counter() - t0
 
 
-def decode_tok_s(model, compile_fn, device: str, batch: int, args, profile: int = 0) -> dict:
-    """Tokens/s (all sequences) of the own loop: median of ``args.reps`` rounds of ``args.tokens`` steps.
-    ``profile`` > 0: also the ``profile`` GPU kernels with the most time per step (torch.profiler over
-    one more round), as ``kernels``: [[name, µs per step, launches per step], ...]."""
-    dec = Decoder(model, compile_fn, device, batch, args.prompt, args.tokens * (args.reps + 3))
-    dec.run(args.tokens)  # compiles, captures and warms up
-    times = [dec.run(args.tokens) for _ in range(args.reps)]
-    out = {"tok_s": batch * args.tokens / statistics.median(times),
-           "ms_per_step": 1e3 * statistics.median(times) / args.tokens,
-           "rounds_tok_s": [round(batch * args.tokens / t) for t in times]}
-    if profile and device == "cuda":
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
+def decode_figures(batch: int, tokens: int, times: list[float]) -> dict:
+    """Tokens/s (all sequences) of decode rounds of ``tokens`` steps that took ``times`` seconds: the median
+    round, each round's figure, and their spread ((max - min) / median, in percent)."""
+    median = statistics.median(times)
+    rounds = [batch * tokens / t for t in times]
+    return {"tok_s": batch * tokens / median, "ms_per_step": 1e3 * median / tokens,
+            "rounds_tok_s": [round(r) for r in rounds],
+            "spread_pct": 100 * (max(rounds) - min(rounds)) * median / (batch * tokens)}
 
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            dec.run(args.tokens)
-        events = sorted((e for e in prof.key_averages() if e.device_time_total > 0),
-                        key=lambda e: -e.device_time_total)
-        out["kernels"] = [[e.key[:80], round(e.device_time_total / args.tokens, 2), round(e.count / args.tokens, 2)]
-                          for e in events[:profile]]
-    del dec
-    return out
+
+def profile_kernels(dec: Decoder, tokens: int, top: int) -> list:
+    """The ``top`` GPU kernels with the most time per step over one more round of ``dec`` (torch.profiler):
+    [[name, µs per step, launches per step], ...]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec.run(tokens)
+    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    return [[e.key[:80], round(e.device_time_total / tokens, 2), round(e.count / tokens, 2)] for e in events[:top]]
 
 
 def prefill_ms(model, compile_fn, device: str, length: int, reps: int) -> float:

@@ -1,6 +1,7 @@
 """benchmarks/e2e_decode.py on the CPU at tiny shapes: every path (checkpoints written from a model in memory
 and loaded by qcompile.load, the own decode loop at two batch sizes, prefill, HF generate with a
-CompileConfig, the logits errors, the table and the JSON) runs and reports what it measured."""
+CompileConfig, the logits errors, the table and the JSON) runs and reports what it measured; --interleave
+alternates the decode rounds of models held together, and running out of memory building them is an error."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import qcompile
+from qcompile.errors import UnsupportedError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import e2e_decode
@@ -50,3 +55,70 @@ def test_unknown_format_is_refused(capsys):
     with pytest.raises(SystemExit):
         e2e_decode.parse_args(["--formats", "fp3"])
     assert "unknown format(s) ['fp3']" in capsys.readouterr().err
+
+
+def test_interleaved_rounds_rotate(tmp_path, capsys, monkeypatch):
+    """--interleave: every decode step is built and warmed before the first timed round; then each round runs,
+    at each batch size, every model once in the models' order rotated by the round; each model's figure is the
+    median of its --reps rounds, reported with their spread, and the speed-up is the ratio of the medians."""
+    calls = []
+    run = e2e_decode.em.Decoder.run
+
+    def spy(self, n):
+        calls.append((id(self.model), self.tok.shape[0]))
+        return run(self, n)
+
+    monkeypatch.setattr(e2e_decode.em.Decoder, "run", spy)
+    formats, batches, reps = ["bf16", "modelopt-fp8", "online-fp8"], [1, 2], 4
+    out = tmp_path / "out.json"
+    e2e_decode.main(SMOKE + ["--formats", *formats, "--batch", *map(str, batches), "--reps", str(reps),
+                             "--prefill", "0", "--interleave", "--json", str(out)])
+    names = [e2e_decode.model_name(f) for f in formats]
+    model_of = {i: names[k] for k, i in enumerate(dict.fromkeys(i for i, _ in calls))}
+    seen = [(model_of[i], b) for i, b in calls]
+    warm = [(name, b) for name in names for b in batches]
+    timed = [(name, b) for r in range(reps) for b in batches for name in names[r % 3:] + names[:r % 3]]
+    assert seen == warm + timed
+
+    report = json.loads(out.read_text())
+    results, text = report["results"], capsys.readouterr().out
+    assert report["args"]["interleave"] and "interleaved" in report["note"]
+    assert "decode b1 tok/s (ms/step, % floor, vs bf16; spread)" in text
+    for name in names:
+        for b in batches:
+            d = results[name][f"decode_b{b}"]
+            assert len(d["rounds_tok_s"]) == reps and d["spread_pct"] >= 0, (name, b, d)
+            assert f"spread {d['spread_pct']:.0f} %" in text
+        if name != "bf16":
+            up = results[name]["decode_b1"]["tok_s"] / results["bf16"]["decode_b1"]["tok_s"]
+            assert f"| {name} | " in text and f", {up:.2f}x; spread" in text
+
+
+def test_decode_figures_median_and_spread():
+    """Rounds of 1, 2 and 4 s for 4 steps at batch 2: 8, 4 and 2 tok/s; the median round is 4 tok/s, the spread
+    (8 - 2) / 4."""
+    d = e2e_decode.em.decode_figures(2, 4, [1.0, 4.0, 2.0])
+    assert d["tok_s"] == 4 and d["ms_per_step"] == 500 and d["rounds_tok_s"] == [8, 2, 4]
+    assert d["spread_pct"] == pytest.approx(150)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_out_of_memory_while_building(tmp_path, monkeypatch, interleave):
+    """CUDA running out of memory while the models are built together for --interleave stops the run with an
+    UnsupportedError naming the model and the fix; one after another, it is that model's result and the run
+    goes on."""
+    def load(path, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(qcompile, "load", load)
+    argv = SMOKE + ["--formats", "ct-w4a16", "modelopt-fp8", "--prefill", "0"] + (["--interleave"] if interleave else [])
+    if interleave:
+        with pytest.raises(UnsupportedError) as e:
+            e2e_decode.main(argv)
+        message = str(e.value)
+        assert message.startswith("model 'ct-w4a16 qcompile': CUDA ran out of memory"), message
+        assert "drop --interleave" in message and "fewer --formats" in message and "Tried to allocate" in message
+    else:
+        results = e2e_decode.main(argv)
+        assert {name: r["error"][:15] for name, r in results.items()} == {
+            "ct-w4a16 qcompile": "OutOfMemoryErro", "modelopt-fp8 qcompile": "OutOfMemoryErro"}
