@@ -124,9 +124,10 @@ def launch(kern, grid, block, smem: int, pdl: bool, args: list) -> None:
     """cuLaunchKernelEx on the current stream of the first tensor's device. With ``pdl`` the launch
     may begin while the previous kernel of the stream finishes (programmatic stream serialization);
     the kernel must wait for it (griddepcontrol.wait) before it reads that kernel's outputs. Tensors
-    (and ctypes pointers) are passed as pointers, ints as int32, ctypes arrays (a tensor map) by value."""
-    held = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
-            else a if isinstance(a, (ctypes.c_void_p, ctypes.Array)) else ctypes.c_int(a) for a in args]
+    (and ctypes pointers) are passed as pointers, None as a null pointer, ints as int32, other ctypes values
+    (a c_longlong, a tensor map) as they are."""
+    held = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_void_p(None) if a is None
+            else a if isinstance(a, (ctypes._SimpleCData, ctypes.Array)) else ctypes.c_int(a) for a in args]
     ptrs = (ctypes.c_void_p * len(held))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in held])
     attr = _LaunchAttr(_PROGRAMMATIC_STREAM_SERIALIZATION, 0, (ctypes.c_int * 16)(1))
     stream = torch.cuda.current_stream(args[0].device)

@@ -40,6 +40,12 @@
 //    the words are in registers; x: XSTAGES slots, loaded by TMA from x itself (XNAT) or rearranged into
 //    the B layout once per call by x_prep), and the consumer warpgroups wait only on their own slots: no
 //    CTA barrier per chunk.
+//  * GROUPED (mma.sync build, x staged): the routed experts of an MoE layer in one launch. gridDim.z runs over the
+//    blocks of a token sort (moe_kernels.moe_align: MT * 8 pair slots per block, one expert per block, -1 for an
+//    unused block); a CTA offsets the weight, scale, zero-point, global-scale and bias pointers to its block's
+//    expert, stages the x rows of its pairs (pair p reads x row p / adiv; padding slots read zeros) and writes
+//    fp32 rows of its pairs, times the pair's router weight when `route` is given. A split is reduced in a
+//    cluster only.
 //  * PDL (sm_90, programmatic dependent launch): the first weight chunks are requested before
 //    griddepcontrol.wait, so they overlap the previous kernel's tail; x, the outputs, the partials
 //    and the counters are touched only after it. With TRIG the kernel lets the next one launch at
@@ -53,7 +59,7 @@
 // (tiled words), CLUSTER (splits in one cluster), PDL, TRIG (early launch_dependents), WGMMA, XSTAGES
 // (x chunks in flight, wgmma), MINB (CTAs per SM the registers must allow), WS (the warp-specialized
 // build), NSTG (its weight slots), KW (warps per 16-row tile), RT (16-row tiles per warp), XF16 (fp16 x
-// and output), XS (x streamed through a ring in the mma.sync build).
+// and output), XS (x streamed through a ring in the mma.sync build), GROUPED (the MoE experts' launch).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -106,6 +112,12 @@ typedef unsigned short u16;
 #endif
 #if XS && (WGMMA || WS)
 #error "XS: the mma.sync build"
+#endif
+#ifndef GROUPED
+#define GROUPED 0
+#endif
+#if GROUPED && (WGMMA || WS || XS)
+#error "GROUPED: the mma.sync build with x staged"
 #endif
 #define BITS ((FMT == FMT_INT4 || FMT == FMT_E2M1) ? 4 : 8)
 #define KPC (BITS == 4 ? 128 : 64)  // k per chunk (per row)
@@ -602,7 +614,8 @@ __device__ __forceinline__ float4 ld_dsmem4(u32 addr, int rank) {  // `addr` in 
 __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active, int tile, int n0,
                                           const float* __restrict__ gs, const u16* __restrict__ bias,
                                           u16* __restrict__ out, float* __restrict__ part,
-                                          int* __restrict__ counters, int M, int N, unsigned char* xs) {
+                                          int* __restrict__ counters, int M, int N, unsigned char* xs,
+                                          const int* gpair, int pairs, const float* __restrict__ route) {
   const int lane = threadIdx.x & 31, r = lane >> 2, q = lane & 3;
   const float g = HAS_GS ? gs[0] : 1.f;
 
@@ -618,7 +631,12 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
 #if HAS_BIAS
             v += h_to_f32(bias[n]);
 #endif
+#if GROUPED
+            const int p = gpair[tok];
+            if (p < pairs) ((float*)out)[(size_t)p * N + n] = route ? v * route[p] : v;
+#else
             out[(size_t)tok * N + n] = f32_to_h(v);
+#endif
           }
         }
     }
@@ -656,20 +674,31 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
         for (int c = 0; c < CLUSTER; c++) {
           v[0] += p[c].x; v[1] += p[c].y; v[2] += p[c].z; v[3] += p[c].w;
         }
-        u16 o[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
           v[i] *= g;
 #if HAS_BIAS
           v[i] += h_to_f32(bias[n + i]);
 #endif
-          o[i] = f32_to_h(v[i]);
         }
+#if GROUPED
+        const int pr = gpair[tok];
+        if (pr < pairs) {
+          const float rw = route ? route[pr] : 1.f;
+          *(float4*)((float*)out + (size_t)pr * N + n) = make_float4(v[0] * rw, v[1] * rw, v[2] * rw, v[3] * rw);
+        }
+#else
+        u16 o[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[i] = f32_to_h(v[i]);
         *(uint2*)(out + (size_t)tok * N + n) = make_uint2(o[0] | ((u32)o[1] << 16), o[2] | ((u32)o[3] << 16));
+#endif
       }
     }
   }
   cluster_sync();  // keep this CTA's shared memory until the cluster has read it
+#elif GROUPED
+  if (threadIdx.x == 0) __trap();  // (a grouped launch reduces its split in a cluster)
 #else
   // split-K: partials, then the last CTA of this column reduces in split order
   if (active) {
@@ -721,6 +750,9 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
       int ss, int cps WO_MMA_TAIL)
 #if (WS || XS) && XNAT  // (the builds that load x by TMA on natural-order tiles: x's tensor map)
 #define WO_MMA_TAIL , const __grid_constant__ TMap xmap
+#elif GROUPED  // the token sort's blocks, router weights, x rows per pair and the per-expert strides (elements)
+#define WO_MMA_TAIL , const int* __restrict__ sids, const int* __restrict__ bexp, const float* __restrict__ route, \
+    int pairs, int adiv, long long wse, int sse, int zse
 #else
 #define WO_MMA_TAIL
 #endif
@@ -729,6 +761,34 @@ WO_MMA_KERNEL {
   extern __shared__ __align__(16) unsigned char xs[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane >> 2, q = lane & 3;
+#if GROUPED
+  // this CTA's block of the token sort (written by the previous kernel: read after it has completed)
+  __shared__ int gpair[MT * 8];
+#if PDL && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  const int gex = bexp[blockIdx.z];
+  if (gex < 0) return;  // (every CTA of a cluster: one block)
+  w += (size_t)gex * wse;
+  s = (const unsigned char*)s + (size_t)gex * sse * (SK == SK_FP32 ? 4 : 1);
+#if HAS_ZP
+  zp += (size_t)gex * zse;
+#endif
+#if HAS_GS
+  gs += gex;
+#endif
+#if HAS_BIAS
+  bias += (size_t)gex * N;
+#endif
+  if (threadIdx.x < MT * 8) gpair[threadIdx.x] = sids[blockIdx.z * (MT * 8) + threadIdx.x];
+  __syncthreads();
+#define X_ROW(m) (gpair[m] < pairs ? x + (size_t)(gpair[m] / adiv) * K : (const u16*)0)
+#else
+  const int* gpair = 0;
+  const int pairs = 0;
+  const float* route = 0;
+#define X_ROW(m) (x + (size_t)(m) * K)
+#endif
   const int tile = warp / KW * RT;  // this warp's first tile in the CTA
   const int n0 = (blockIdx.x * TPC + tile) * 16;
   const bool active = n0 < N;  // N % 16 == 0; idle warps still join the barriers
@@ -843,7 +903,8 @@ WO_MMA_KERNEL {
 #if XNAT  // word q of x's unit n = 4u + i of a chunk is word i of lane q's unit u (its pair 4u + i)
     for (int i = threadIdx.x; i < M * (ks / 8); i += WARPS * 32) {
       const int m = i / (ks / 8), gu = i - m * (ks / 8), n = gu % upc;
-      const U4 v = *(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8);
+      const u16* xr = X_ROW(m);
+      const U4 v = xr ? *(const U4*)(xr + (size_t)c0 * KPC + gu * 8) : U4{{0u, 0u, 0u, 0u}};
       const u32 dst = base + m * rs + (gu / upc) * X_CS;
 #pragma unroll
       for (int qq = 0; qq < 4; qq++)
@@ -852,7 +913,8 @@ WO_MMA_KERNEL {
 #else
     for (int i = threadIdx.x; i < M * (ks / 8); i += WARPS * 32) {
       const int m = i / (ks / 8), gu = i - m * (ks / 8);
-      const U4 v = x_unit_order(*(const U4*)(x + (size_t)m * K + (size_t)c0 * KPC + gu * 8));
+      const u16* xr = X_ROW(m);
+      const U4 v = xr ? x_unit_order(*(const U4*)(xr + (size_t)c0 * KPC + gu * 8)) : U4{{0u, 0u, 0u, 0u}};
       const u32 off = (gu / upc) * X_CS + x_unit_off(gu % upc);
       asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(base + m * rs + off),
                    "r"(v.v[0]), "r"(v.v[1]), "r"(v.v[2]), "r"(v.v[3]));
@@ -1055,7 +1117,8 @@ WO_MMA_KERNEL {
     acc[t][0] *= s_a[t / MT]; acc[t][1] *= s_a[t / MT]; acc[t][2] *= s_b[t / MT]; acc[t][3] *= s_b[t / MT];
   }
 #endif
-  store_out(acc, owner, tile, n0, gs, bias, out, part, counters, M, N, xs);
+  store_out(acc, owner, tile, n0, gs, bias, out, part, counters, M, N, xs, gpair, pairs, route);
+#undef X_ROW
 }
 #else  // WS
 // x [M, K] -> xp: for each chunk, x as the wgmma build's B operand (XBUF bytes, see x_transform),
@@ -1232,6 +1295,6 @@ WO_MMA_KERNEL {
 #endif
   asm volatile("griddepcontrol.wait;" ::: "memory");  // before any output, partial or counter
 #endif
-  store_out(acc, active, warp, n0, gs, bias, out, part, counters, M, N, xs);
+  store_out(acc, active, warp, n0, gs, bias, out, part, counters, M, N, xs, 0, 0, 0);
 }
 #endif  // WS

@@ -11,6 +11,7 @@ sm_90 (``QCOMPILE_PDL=0`` turns it off).
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import fields
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from .wo_policy import (
 )
 
 SOURCE = Path(__file__).with_name("wo_mma.cu")
-ZP_TYPES = {torch.int32: "int", torch.int8: "signed char", torch.uint8: "unsigned char"}
+ZP_TYPES = {torch.int32: "int", torch.int8: "signed char", torch.uint8: "unsigned char", torch.float32: "float"}
 
 
 # -- source and build ------------------------------------------------------------------------------
@@ -37,7 +38,7 @@ ZP_TYPES = {torch.int32: "int", torch.int8: "signed char", torch.uint8: "unsigne
 _DEFINES = dict(fmt="FMT", sk="SK", smode="SMODE", group="GROUP", has_zp="HAS_ZP", zp_t="ZP_T", has_gs="HAS_GS",
                 has_bias="HAS_BIAS", mt="MT", stages="STAGES", warps="WARPS", packed="PACKED", cluster="CLUSTER",
                 pdl="PDL", wgmma="WGMMA", xstages="XSTAGES", minb="MINB", ws="WS", nstg="NSTG", trig="TRIG",
-                kw="KW", rt="RT", xf16="XF16", xs="XS")
+                kw="KW", rt="RT", xf16="XF16", xs="XS", grouped="GROUPED")
 
 
 def defines(cfg: MmaConfig) -> str:
@@ -211,6 +212,56 @@ def run(launch: MmaLaunch, x2: torch.Tensor, weight, scale, global_scale, zero_p
                         global_scale.float().reshape(1) if global_scale is not None else dummy,
                         bias.to(x2.dtype).contiguous() if bias is not None else dummy,
                         out, part, counters, m, n, k, ss, launch.cps, *tail])
+    return out
+
+
+def grouped_launch(x_dtype: torch.dtype, device: torch.device, weight, global_scale, zero_point, bias,
+                   spec: WeightSpec, k: int, block_m: int, active: int, **fixed) -> MmaLaunch | None:
+    """:func:`wo_policy.grouped_launch` of one projection of an MoE layer's experts (``weight`` [E, N, ...], x of
+    ``x_dtype`` with K = ``k``) in blocks of ``block_m`` pair slots, about ``active`` of them busy; None where
+    the kernel has no launch for it (:func:`mma_reason`, or no split that fits a cluster). ``fixed``: the
+    policy's ``warps`` / ``split``."""
+    n = weight.shape[1]
+    zp_dtype = zero_point.dtype if zero_point is not None else None
+    if mma_reason(spec, n, k, x_dtype, zp_dtype):
+        return None
+    g = gpu(device)
+    call = Call(spec, block_m, n, k, x_dtype == torch.float16, ZP_TYPES[zp_dtype] if zp_dtype else None,
+                global_scale is not None, bias is not None)
+    return wo_policy.grouped_launch(g, call, active, g.pdl, **fixed)
+
+
+def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, global_scale, zero_point, bias,
+            spec: WeightSpec, align: tuple[torch.Tensor, torch.Tensor], pairs: int,
+            route: torch.Tensor | None) -> torch.Tensor:
+    """One projection of an MoE layer's routed experts in one launch (wo_mma.cu: GROUPED; ``launch`` from
+    :func:`grouped_launch`): fp32 [pairs, N] whose row p is a[p // a_div] @ dequantize(weight[e]).T (+ bias[e])
+    (x route[p]) for pair p of expert e. ``align``: moe_align's (sorted ids, block experts) in blocks of the
+    launch's MT * 8 pair slots; the weight tensors stacked over experts ([E, ...], the op's canonical forms)."""
+    e, n, _ = weight.shape
+    k = a.shape[1]
+    sorted_ids, block_expert = align
+    out = torch.empty((pairs, n), dtype=torch.float32, device=a.device)
+    if block_expert.numel() == 0:
+        return out
+    s = scale.contiguous()
+    if s.dtype != torch.float32:
+        s = s.view(torch.uint8)
+    gran = spec.scale.granularity
+    ss = 0 if gran is Granularity.TENSOR else (1 if gran is Granularity.CHANNEL else s.shape[-1])
+    w = weight.contiguous().view(torch.int32)
+    z = zero_point.contiguous() if zero_point is not None else None
+    gs = global_scale.float().reshape(e).contiguous() if global_scale is not None else None
+    b = bias.to(a.dtype).contiguous() if bias is not None else None
+    a = a.contiguous() if a.data_ptr() % 16 == 0 else a.clone()
+    cfg = launch.cfg
+    kern = cuda_driver.with_shared_memory(_kernel(cfg, cuda_driver.device_index(a.device)), launch.smem)
+    cuda_driver.launch(kern, (launch.cols, launch.split, block_expert.numel()), (cfg.threads, 1, 1), launch.smem,
+                       cfg.pdl, [a, w, s, z if z is not None else out, gs if gs is not None else out,
+                                 b if b is not None else out, out, out, out, cfg.mt * 8, n, k, ss, launch.cps,
+                                 sorted_ids, block_expert, route.float().contiguous() if route is not None else None,
+                                 pairs, a_div, ctypes.c_longlong(w.numel() // e), s.numel() // e,
+                                 z.numel() // e if z is not None else 0])
     return out
 
 

@@ -115,6 +115,7 @@ class MmaConfig:
     rt: int = 1  # mma.sync: 16-row tiles per warp (group of kw warps), sharing each x fragment load
     xf16: bool = False  # fp16 x and output, else bf16
     xs: bool = False  # mma.sync, sm_90: x streamed through a ring of `xstages` chunks per K part, not staged first
+    grouped: bool = False  # mma.sync, x staged: an MoE layer's routed experts, one token-sort block per grid z
 
     @property
     def bits(self) -> int:
@@ -540,6 +541,37 @@ def _default_launch(gpu: Gpu, base: MmaConfig, plan_args: tuple, rt: bool) -> Mm
         if capped.cfg.cluster > 1:
             return capped
     return chosen
+
+
+# The grouped build's split aims at this many warps per SM: twice the dense launches' (more weight bytes in flight
+# where few active experts leave few columns); within 10 % of the best (warps, split) per GEMM over Mixtral- and
+# Qwen3-30B-A3B-shaped experts at T = 1..16 on an H200, where the dense 32 left 21 %.
+GROUPED_WARPS_PER_SM = 64
+
+
+def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | None = None, split: int | None = None,
+                   max_cluster: int = MAX_CLUSTER) -> MmaLaunch | None:
+    """The launch of the grouped (MoE experts) mma.sync build for blocks of ``call.m`` pair slots of one expert
+    each, about ``active`` of them busy: :data:`MMA_WARPS` warps per CTA and the split that gives the active
+    blocks :data:`GROUPED_WARPS_PER_SM` warps per SM (:func:`plan` over their ``active * N`` rows), at most
+    ``max_cluster`` (reduced in a thread-block cluster; no split before sm_90). None where that leaves the x
+    slice over :data:`SMEM_BUDGET`. ``warps`` / ``split`` fix the CTA size / the split (None where a forced split
+    exceeds the cluster). Its grid's third dimension is the token sort's block count, given at the launch."""
+    spec, m, n, k = call.spec, call.m, call.n, call.k
+    stages = LAUNCH[spec.tiled][0]
+    bits, warps, most = spec.dtype.bits, warps or MMA_WARPS, max_cluster if gpu.capability[0] >= 9 else 1
+    nch = k // KPC[bits]
+    if split is None:
+        split = min(plan(m, n * active, k, bits, warps, stages, gpu.sms, None, GROUPED_WARPS_PER_SM)[1], most)
+    cps = -(-nch // split)
+    split = -(-nch // cps)
+    if split > most or x_bytes(m, cps, bits) > SMEM_BUDGET:
+        return None
+    smode, group = scale_mode(spec)
+    cfg = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, call.zp_t is not None,
+                    call.zp_t or "int", call.has_gs, call.has_bias, -(-m // 8), stages, warps, spec.tiled,
+                    cluster=split if split > 1 else 1, pdl=pdl, xf16=call.xf16, grouped=True)
+    return MmaLaunch(cfg, -(-(n // 16) // warps), split, cps, smem_bytes(m, cps, cfg))
 
 
 # -- the decision ----------------------------------------------------------------------------------

@@ -138,7 +138,8 @@ _CFG_TEXT: dict = {}
 
 def cfg_text(cfg) -> str:
     if cfg not in _CFG_TEXT:
-        _CFG_TEXT[cfg] = ",".join(str(getattr(cfg, f.name)) for f in dataclasses.fields(cfg))
+        # (the dense op's launches: the MoE experts' grouped build is never among them)
+        _CFG_TEXT[cfg] = ",".join(str(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "grouped")
     return _CFG_TEXT[cfg]
 
 
@@ -369,3 +370,29 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@pytest.mark.parametrize("name", ["int4_g128", "nvfp4", "mxfp8"])
+def test_grouped_launch_fills_the_gpu_in_a_cluster(name):
+    """The MoE experts' launch: the mma.sync build, one 8- or 16-slot block per grid z, the split that
+    fills the GPU with the active blocks' CTAs, reduced in a cluster (never through global memory), the x
+    slice within budget; no split before sm_90; none where x does not fit or a forced split exceeds a cluster."""
+    spec = next(s for n, s in SPECS.items() if n == name)
+    gpu = FakeGpu((9, 0), 132)
+    for n, k, active, bm in ((1536, 2048, 8, 8), (2048, 768, 8, 8), (28672, 4096, 2, 8), (4096, 14336, 2, 16),
+                             (1536, 2048, 128, 16)):
+        launch = wo_policy.grouped_launch(gpu, wo_policy.Call(spec, bm, n, k), active, True)
+        assert launch is not None and launch.cfg.grouped and not (launch.cfg.wgmma or launch.cfg.ws or launch.cfg.xs)
+        assert launch.cfg.mt == bm // 8 and not launch.global_split, launch
+        assert launch.split == (launch.cfg.cluster if launch.split > 1 else 1) <= wo_policy.MAX_CLUSTER
+        assert launch.smem <= wo_policy.SMEM_BUDGET and launch.cps * launch.split >= k // wo_policy.chunk_k(spec)
+        ctas = launch.cols * launch.split * active
+        assert ctas >= gpu.sms or launch.split * launch.cps < 2 * launch.cfg.stages * launch.split, launch
+    assert wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, 64, 1 << 20), 1, True) is None  # x of K / 8
+    assert wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, 1536, 2048), 8, True, split=16) is None
+    forced = wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 16, 1536, 2048), 8, True, warps=4, split=2)
+    assert (forced.cfg.warps, forced.split, forced.cfg.cluster, forced.cols) == (4, 2, 2, 24)
+    sm80 = FakeGpu((8, 0), 108)
+    for n, k in ((1536, 2048), (28672, 4096)):
+        assert wo_policy.grouped_launch(sm80, wo_policy.Call(spec, 8, n, k), 8, False).split == 1
+    assert wo_policy.grouped_launch(sm80, wo_policy.Call(spec, 8, 4096, 14336 * 4), 2, False) is None
