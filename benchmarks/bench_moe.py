@@ -74,8 +74,12 @@ OURS_WO = {
     "ours MXFP4 weight-only": QuantScheme(MXFP4_WEIGHT).key,
     "ours MXFP8 weight-only": QuantScheme(MXFP8_WEIGHT).key,
 }
-WO_PATHS = {"ours int4 g128 weight-only, grouped kernel": 1 << 30,  # label -> wo_moe_triton's dequant_rows
-            "ours int4 g128 weight-only, dequant + grouped_mm": 0}
+# each path of wo_moe_triton forced (int4 g128 and NVFP4): label suffix -> its keywords (mma "rule": the rule's
+# launches of wo_mma's grouped build, in blocks of 16 pair slots where the rule would not take it)
+WO_PATHS = {"Triton grouped kernel": dict(dequant_rows=1 << 30, mma=None),
+            "wo_mma grouped build": dict(dequant_rows=1 << 30, mma="rule"),
+            "dequant + grouped_mm": dict(dequant_rows=0, mma=None)}
+WO_PATH_FORMATS = 2  # the first formats of OURS_WO
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -252,6 +256,17 @@ def bench_shape(name: str, shape, tokens, replays: int, bw: float, device: str, 
     return rows
 
 
+def as_loaded(spec, w13: tuple, w2: tuple, h: int, i: int) -> tuple:
+    """(scheme, w13, w2) as a GPU load holds them: every expert tiled for wo_mma's grouped build where it takes
+    both projections (moe_wo.tile_for_mma), else as given."""
+    zp = w13[3]
+    tiled = w13[0].is_cuda and mw.tile_for_mma(spec, w13[0], w2[0], h, i, torch.bfloat16,
+                                               zp.dtype if zp is not None else None)
+    if not tiled:
+        return spec, w13, w2
+    return tiled[0], (tiled[1], *w13[1:]), (tiled[2], *w2[1:])
+
+
 def wo_expert_weights(spec: WeightSpec, e: int, n: int, k: int, device: str, seed: int) -> tuple:
     """Random expert weights ~ N(0, 1/k) [E, n, k] rounded to a weight-only format (int4 groups, NVFP4,
     MXFP4, MXFP8) with quant_math's codes and packers, one expert at a time: the five tensors of
@@ -290,24 +305,27 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
     rows = []
     for n, (row, scheme) in enumerate(OURS_WO.items()):
         spec = parse_scheme_key(scheme)
-        labels = [row] + (list(WO_PATHS) if n == 0 else [])
+        forced = {f"{row}, {path}": kw for path, kw in WO_PATHS.items()} if n < WO_PATH_FORMATS else {}
+        labels = [row] + list(forced)
         why = next((f"fails: {what}: {r}" for what, kk in zip(mw.PROJECTIONS, (h, i))
                     if (r := mw.triton_shape_reason(spec.weight, 0, kk))), None)
         if why:  # K the weight-only kernels do not take (whole words and scale groups)
             rows += [dict(shape=name, tokens=t, row=label, us=why, experts_used=0, floor_us=0.0, pct_floor=None)
                      for t in tokens for label in labels]
             continue
-        w13, w2 = (wo_expert_weights(spec.weight, e, nn, kk, device, 10 * n + j)
-                   for j, (nn, kk) in enumerate(((2 * i, h), (h, i))))
+        spec, w13, w2 = as_loaded(spec, *(wo_expert_weights(spec.weight, e, nn, kk, device, 10 * n + j)
+                                          for j, (nn, kk) in enumerate(((2 * i, h), (h, i)))), h, i)
+        scheme = spec.key
         expert_bytes = sum(v.numel() * v.element_size() for ws in (w13, w2) for v in ws if v is not None) / e
-        paths = {row: mw.DEQUANT_ROWS} | (WO_PATHS if n == 0 else {})
+        paths = {row: None} | forced
         for t in tokens:
             routes, used = routings(t, e, h, k, device, rotate)
-            for label, dequant_rows in paths.items():
-                if label in WO_PATHS and mw.use_triton(routes[0][0]):  # one path forced, the rule's configurations
-                    def make(x, ids, w, dequant_rows=dequant_rows):
+            for label, kw in paths.items():
+                if kw is not None and mw.use_triton(routes[0][0]):  # one path forced, the rule's configurations
+                    def make(x, ids, w, kw=kw):
+                        mma = kw["mma"] if kw["mma"] != "rule" else mw.mma_rule(x, ids.numel(), e) or {"block_m": 16}
                         return functools.partial(mw.wo_moe_triton, x, ids, w, w13, w2, None, None, "silu", spec, False,
-                                                 dequant_rows=dequant_rows)
+                                                 dequant_rows=kw["dequant_rows"], mma=mma)
                 else:  # the op as a model calls it (a measured choice where there is one); CPU: the reference
                     def make(x, ids, w):
                         return functools.partial(torch.ops.qcompile.wo_moe, x, ids, w, *w13, *w2, None, None, "silu",

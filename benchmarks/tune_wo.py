@@ -72,8 +72,8 @@ def tune_moe(name: str, fmt: str, tokens, bw: float, reps: int) -> dict[str, dic
 
     e, h, i, k = bench_moe.SHAPES[name]
     spec = moe_wo.parse_scheme_key(bench_moe.OURS_WO[fmt])
-    w13, w2 = (bench_moe.wo_expert_weights(spec.weight, e, n, kk, "cuda", j)
-               for j, (n, kk) in enumerate(((2 * i, h), (h, i))))
+    spec, w13, w2 = bench_moe.as_loaded(spec, *(bench_moe.wo_expert_weights(spec.weight, e, n, kk, "cuda", j)
+                                                for j, (n, kk) in enumerate(((2 * i, h), (h, i)))), h, i)
     expert_bytes = sum(v.numel() * v.element_size() for ws in (w13, w2) for v in ws if v is not None) / e
     entries = {}
     for t in tokens:

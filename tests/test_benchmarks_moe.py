@@ -70,15 +70,17 @@ def test_peers_match_the_reference():
 
 
 def test_bench_moe_weight_only_rows():
-    """--weight-only's rows on a tiny shape (the reference path on the CPU): every format and both forced
-    paths of qcompile::wo_moe time a call; formats whose K the weight-only kernels cannot take say so."""
+    """--weight-only's rows on a tiny shape (the reference path on the CPU): every format, and each forced
+    path of qcompile::wo_moe for int4 g128 and NVFP4, time a call; formats whose K the weight-only kernels
+    cannot take say so."""
     bench = _load()
     rows = bench.bench_wo_shape("tiny", (4, 128, 128, 2), [1, 3], 3, 10.0, "cpu", lambda msg: None)
-    assert {r["row"] for r in rows} == set(bench.OURS_WO) | set(bench.WO_PATHS)
+    forced = {f"{row}, {path}" for row in list(bench.OURS_WO)[:bench.WO_PATH_FORMATS] for path in bench.WO_PATHS}
+    assert {r["row"] for r in rows} == set(bench.OURS_WO) | forced
     for r in rows:
         assert isinstance(r["us"], float) and r["floor_us"] > 0 and 1 <= r["experts_used"] <= 4, r
     tail = bench.bench_wo_shape("tiny", bench.TINY["tiny"], [1], 3, 10.0, "cpu", lambda msg: None)  # I = 192
-    int4 = {"ours int4 g128 weight-only"} | set(bench.WO_PATHS)
+    int4 = {"ours int4 g128 weight-only"} | {f"ours int4 g128 weight-only, {path}" for path in bench.WO_PATHS}
     assert {r["row"]: r["us"] for r in tail if r["row"] in int4} == \
         dict.fromkeys(int4, "fails: down projection w2: K=192 not a multiple of the group size 128")
-    assert {r["row"] for r in tail if isinstance(r["us"], float)} == set(bench.OURS_WO) - int4
+    assert {r["row"] for r in tail if isinstance(r["us"], float)} == (set(bench.OURS_WO) | forced) - int4

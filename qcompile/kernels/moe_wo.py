@@ -33,12 +33,16 @@ active experts' tiles. ``backend="reference"`` (any device): the math above by
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 import torch
 
 from ..errors import UnsupportedError
 from ..scheme import QuantScheme, parse_scheme_key
 from .experts_ref import ACTIVATIONS, NON_GATED, reference_experts
 from .fp8_quant_triton import HAS_TRITON, use_triton
+from . import quant_math
 from .moe_kernels import moe_align
 from .registry import HALF, Kernel, KernelQuery, cuda_reason, register
 from . import wo_tune
@@ -74,6 +78,8 @@ BACKENDS = ("reference", "triton")
 # Rows per active expert above which every expert is dequantized once and torch._grouped_mm (cuBLAS-class
 # bf16 GEMMs) runs the layer: the dense op's switch (wo_gemm.WO_MAX_M of int4 / int8).
 DEQUANT_ROWS = 128
+# Rows per active expert up to which the rule takes wo_mma's grouped build on CUDA (one 8-token tile).
+MMA_MAX_ROWS = 8
 PROJECTIONS = ("gate/up projection w13", "down projection w2")
 # activation name (without _no_mul) -> the fused MoE kernels' activation code (moe_kernels._act_fn, _epilogue)
 ACT_CODES = {"silu": 1, "gelu_tanh": 2, "relu2": 3, "swigluoai": 4, "gelu": 5}
@@ -155,11 +161,55 @@ def dequantizes(x: torch.Tensor, pairs: int, experts: int, rows: int = DEQUANT_R
     return -(-pairs // min(experts, pairs)) > rows
 
 
+def mma_rule(x: torch.Tensor, pairs: int, experts: int) -> dict | None:
+    """The rule's choice of the CUDA grouped GEMMs: wo_mma's grouped build (``{"block_m": 8}``: blocks of 8 pair
+    slots, the policy's launches) where the pairs, spread evenly, give each active expert up to
+    :data:`MMA_MAX_ROWS` rows; None (the Triton kernel) above, off CUDA and where ``QCOMPILE_MOE_MMA=0``."""
+    if not x.is_cuda or os.environ.get("QCOMPILE_MOE_MMA", "1") == "0":
+        return None
+    return {"block_m": 8} if -(-pairs // min(experts, pairs)) <= MMA_MAX_ROWS else None
+
+
+def _mma_launches(x, w13: tuple, w2: tuple, b13, b2, spec, i: int, mma: dict, pairs: int):
+    """wo_mma's grouped launches of both GEMMs for an ``mma`` choice (``block_m``, and per GEMM optional
+    ``warps`` / ``split``: :data:`MMA_AXES`), or None where either has none (the Triton kernel runs)."""
+    from . import wo_mma
+
+    if not x.is_cuda:
+        return None
+    e, h = w13[0].shape[0], x.shape[1]
+    active, bm = min(e, pairs), mma["block_m"]
+    l1 = wo_mma.grouped_launch(x.dtype, x.device, w13[0], w13[2], w13[3], b13, spec.weight, h, bm, active,
+                               **mma.get("gemm1", {}))
+    l2 = l1 and wo_mma.grouped_launch(x.dtype, x.device, w2[0], w2[2], w2[3], b2, spec.weight, i, bm, active,
+                                      **mma.get("gemm2", {}))
+    return (l1, l2) if l2 else None
+
+
+def tile_for_mma(spec: QuantScheme, w13_weight: torch.Tensor, w2_weight: torch.Tensor, h: int, i: int,
+                 x_dtype: torch.dtype, zp_dtype: torch.dtype | None = None):
+    """(scheme, w13_weight, w2_weight) with every expert's weight permuted into the order wo_mma's grouped build
+    streams (quant_math.tile_weight per expert; scheme ``tiled``), or None where that build does not take both
+    projections (wo_mma.mma_reason) or the weights are tiled already. The Triton kernels read either order."""
+    from .wo_mma import mma_reason
+
+    if spec.weight.tiled or any(mma_reason(spec.weight, n, k, x_dtype, zp_dtype)
+                                for n, k in ((w13_weight.shape[1], h), (h, i))):
+        return None
+    out = [QuantScheme(replace(spec.weight, tiled=True), spec.act)]
+    for w in (w13_weight, w2_weight):
+        e, n = w.shape[:2]
+        out.append(quant_math.tile_weight(w.reshape(e * n, -1), spec.weight).reshape(w.shape))
+    return tuple(out)
+
+
 def wo_moe_triton(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, spec, on_input: bool,
-                  configs: tuple[dict, dict] | None = None, dequant_rows: int = DEQUANT_ROWS):
+                  configs: tuple[dict, dict] | None = None, dequant_rows: int = DEQUANT_ROWS, mma: dict | None = None):
     """x [T, H], ids / weights [T, k]; w13 / w2 the five weight tensors of each projection in
     :data:`experts_ref.ROLES` order. The module doc's pipeline; ``configs`` (of GEMM 1, GEMM 2, one
-    BLOCK_M) overrides :func:`grouped_config`; ``dequant_rows``: see :func:`dequantizes`."""
+    BLOCK_M) overrides :func:`grouped_config`; ``dequant_rows``: see :func:`dequantizes`; ``mma`` (on CUDA,
+    :func:`_mma_launches`): the grouped GEMMs are wo_mma's grouped build, where it has a launch for both
+    projections."""
     t, h = x.shape
     k, e = ids.shape[1], w13[0].shape[0]
     pairs = t * k
@@ -175,7 +225,15 @@ def wo_moe_triton(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: s
         x, a_div, route = (x.float().repeat_interleave(k, 0) * route.float()[:, None]).to(x.dtype), 1, None
     else:
         a_div = k
-    if configs is None and dequantizes(x, pairs, e, dequant_rows):
+    launches = _mma_launches(x, w13, w2, b13, b2, spec, i, mma, pairs) if mma and configs is None else None
+    if launches:
+        from .wo_mma import grouped
+
+        align = moe_align(flat_ids, e, mma["block_m"])
+        hid = grouped(launches[0], x, a_div, *w13[:4], b13, spec.weight, align, pairs, None)
+        a = activate(hid.unsqueeze(0), activation, i, x.dtype)
+        y = grouped(launches[1], a, 1, *w2[:4], b2, spec.weight, align, pairs, route).unsqueeze(0)
+    elif configs is None and dequantizes(x, pairs, e, dequant_rows):
         y = _dequantized_experts(x, a_div, flat_ids, route, w13, w2, b13, b2, activation, spec, i)
     else:
         cfg1, cfg2 = configs or (grouped_config(pairs, e, n1, h, spec.weight, x.device),
@@ -240,19 +298,34 @@ CONFIG_FLAGS = ("SCALE_PREFETCH", "X_PERMUTED")
 NO_DEQUANT = 1 << 62  # dequant_rows that keeps every call on the grouped kernel
 
 
-def _route(choice: wo_tune.Choice | None) -> tuple[tuple[dict, dict] | None, int]:
-    """(configs, dequant_rows) of :func:`wo_moe_triton` for a choice: ``triton`` with its two GEMM
-    configurations, ``dequant`` (dequantize + ``_grouped_mm``), else (``policy``, none, or an entry this
-    version cannot read) the rule."""
+MMA_BLOCK_M = (8, 16)
+MMA_AXES = {"warps": (4, 8, 16), "split": (1, 2, 3, 4, 6, 8)}  # one grouped wo_mma GEMM's launch
+
+
+def _mma_choice(launch: dict) -> bool:
+    """A readable ``mma`` launch: ``block_m`` of :data:`MMA_BLOCK_M`, optional per-GEMM :data:`MMA_AXES` values."""
+    gemms = {g: launch.get(g, {}) for g in ("gemm1", "gemm2")}
+    return (launch.get("block_m") in MMA_BLOCK_M and set(launch) <= {"block_m", "gemm1", "gemm2"}
+            and all(isinstance(c, dict) and all(v in MMA_AXES.get(a, ()) for a, v in c.items())
+                    for c in gemms.values()))
+
+
+def _route(choice: wo_tune.Choice | None, rule_mma: dict | None) -> tuple[tuple[dict, dict] | None, int, dict | None]:
+    """(configs, dequant_rows, mma) of :func:`wo_moe_triton` for a choice: ``triton`` with its two GEMM
+    configurations, ``mma`` (wo_mma's grouped build: ``block_m`` and per-GEMM launch parameters), ``dequant``
+    (dequantize + ``_grouped_mm``), else (``policy``, none, or an entry this version cannot read) the rule,
+    whose mma is ``rule_mma`` (:func:`mma_rule`)."""
+    if choice is not None and choice.route == "mma" and _mma_choice(choice.launch):
+        return None, NO_DEQUANT, choice.launch
     if choice is not None and choice.route == "triton":
         cfgs = tuple(choice.launch.get(g) for g in ("gemm1", "gemm2"))
         if all(isinstance(c, dict) and set(CONFIG_KEYS) <= set(c) <= set(CONFIG_KEYS + CONFIG_FLAGS)
                and all(isinstance(v, int) and v >= 0 for v in c.values()) for c in cfgs) \
                 and cfgs[0]["BLOCK_M"] == cfgs[1]["BLOCK_M"]:  # one moe_align serves both GEMMs
-            return cfgs, NO_DEQUANT
+            return cfgs, NO_DEQUANT, None
     if choice is not None and choice.route == "dequant":
-        return None, 0
-    return None, DEQUANT_ROWS
+        return None, 0, None
+    return None, DEQUANT_ROWS, rule_mma
 
 
 def _key(x, ids, w13: tuple, spec, i: int) -> str | None:
@@ -261,56 +334,63 @@ def _key(x, ids, w13: tuple, spec, i: int) -> str | None:
 
 
 def plan(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, spec, on_input: bool,
-         i: int) -> tuple[tuple[dict, dict] | None, int]:
-    """How :func:`wo_moe_triton` runs this call on a GPU: the measured choice for its (format, shape, T
-    bucket), measured now where tuning is on (:func:`wo_tune.tune`) and none is known, else the rule."""
+         i: int) -> tuple[tuple[dict, dict] | None, int, dict | None]:
+    """How :func:`wo_moe_triton` runs this call on a GPU (:func:`_route`): the measured choice for its
+    (format, shape, T bucket), measured now where tuning is on (:func:`wo_tune.tune`) and none is known, else
+    the rule."""
     if not wo_tune.on_gpu(x):
-        return None, DEQUANT_ROWS
+        return None, DEQUANT_ROWS, None
     key = _key(x, ids, w13, spec, i)
     choice = wo_tune.lookup(wo_tune.gpu_name(x), key)
     if choice is None and key is not None and wo_tune.enabled() and wo_tune.can_measure(x):
         choice = wo_tune.best(tune_call(x, ids, weights, w13, w2, b13, b2, activation, spec, on_input, i))
-    return _route(choice)
+    return _route(choice, mma_rule(x, ids.numel(), w13[0].shape[0]))
 
 
 def _with(choice: wo_tune.Choice, gemm: str | None, field: str, value) -> wo_tune.Choice:
-    """``choice`` with one launch parameter of one GEMM changed, or of both (``gemm`` None)."""
-    cfgs = {g: dict(c) for g, c in choice.launch.items()}
-    for g in (gemm,) if gemm else ("gemm1", "gemm2"):
-        cfgs[g][field] = value
-    return wo_tune.Choice("triton", cfgs)
+    """``choice`` with one launch parameter of one GEMM changed, or of both (``gemm`` None); ``block_m`` of an
+    ``mma`` choice with ``gemm`` None."""
+    launch = {g: dict(c) if isinstance(c, dict) else c for g, c in choice.launch.items()}
+    if choice.route == "mma" and gemm is None:
+        launch[field] = value
+    for g in (gemm,) if gemm else () if choice.route == "mma" else ("gemm1", "gemm2"):
+        launch.setdefault(g, {})[field] = value
+    return wo_tune.Choice(choice.route, launch)
 
 
 def tune_call(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, spec, on_input: bool, i: int,
               reps: int = 20, keep: bool = True) -> dict:
-    """µs of this call's candidate launches: the rule, dequantize + ``_grouped_mm``, and the grouped
-    kernel from the rule's configurations by coordinate descent (BLOCK_M of both GEMMs, then each GEMM's
-    :data:`TUNE_AXES` one at a time). With ``keep`` the fastest goes into wo_tune's on-disk cache under
-    the call's T bucket."""
+    """µs of this call's candidate launches: the rule, dequantize + ``_grouped_mm``, and by coordinate descent
+    from the rule's launches wo_mma's grouped build (where it has a launch: block_m, then each GEMM's
+    :data:`MMA_AXES`) and the Triton kernel (BLOCK_M of both GEMMs, then each GEMM's :data:`TUNE_AXES`), one
+    axis at a time. With ``keep`` the fastest goes into wo_tune's on-disk cache under the call's T bucket."""
     epw = layout_of(spec.weight).epw
+    pairs, e, n1, h = ids.numel(), w13[0].shape[0], w13[0].shape[1], x.shape[1]
+    rule_mma = mma_rule(x, pairs, e)
 
     def run(c):
-        cfgs, rows = _route(c)
-        return wo_moe_triton(x, ids, weights, w13, w2, b13, b2, activation, spec, on_input, cfgs, rows)
+        return wo_moe_triton(x, ids, weights, w13, w2, b13, b2, activation, spec, on_input, *_route(c, rule_mma))
 
-    pairs, e, n1, h = ids.numel(), w13[0].shape[0], w13[0].shape[1], x.shape[1]
-    start = wo_tune.Choice("triton", {"gemm1": grouped_config(pairs, e, n1, h, spec.weight, x.device),
-                                      "gemm2": grouped_config(pairs, e, h, i, spec.weight, x.device)})
-    times = wo_tune.measure([wo_tune.Choice("policy"), wo_tune.Choice("dequant"), start], run, reps)
-    if start not in times:  # the rule's own launch does not run: nothing to descend from
-        return times
-    best = start
+    triton_start = wo_tune.Choice("triton", {"gemm1": grouped_config(pairs, e, n1, h, spec.weight, x.device),
+                                             "gemm2": grouped_config(pairs, e, h, i, spec.weight, x.device)})
+    mma_start = wo_tune.Choice("mma", {"block_m": 8})
+    starts = [triton_start] + ([mma_start] if _mma_launches(x, w13, w2, b13, b2, spec, i, mma_start.launch, pairs)
+                               else [])
+    times = wo_tune.measure([wo_tune.Choice("policy"), wo_tune.Choice("dequant")] + starts, run, reps)
 
-    def step(cands):  # (any BLOCK_K runs: a partial last K step is masked)
-        nonlocal best
-        times.update(wo_tune.measure([c for c in cands if c not in times], run, reps))
-        best = min((c for c in times if c.route == "triton" and c in cands + [best]), key=times.get)
+    def descend(best, axes):  # one axis at a time from ``best``: (axis, gemm or None, values)
+        for field, gemm, values in axes:
+            cands = [_with(best, gemm, field, v) for v in values]
+            times.update(wo_tune.measure([c for c in cands if c not in times], run, reps))
+            best = min((c for c in times if c in cands + [best]), key=times.get)
 
-    step([_with(best, None, "BLOCK_M", bm) for bm in TUNE_BLOCK_M])
-    for g in ("gemm1", "gemm2"):
-        for field, values in TUNE_AXES.items():
-            step([_with(best, g, "BLOCK_K" if field == "words" else field, v * epw if field == "words" else v)
-                  for v in values])
+    if mma_start in times:
+        descend(mma_start, [("block_m", None, MMA_BLOCK_M)] + [(f, g, v) for g in ("gemm1", "gemm2")
+                                                                for f, v in MMA_AXES.items()])
+    if triton_start in times:  # (any BLOCK_K runs: a partial last K step is masked)
+        descend(triton_start, [("BLOCK_M", None, TUNE_BLOCK_M)] + [
+            ("BLOCK_K" if f == "words" else f, g, tuple(v * epw for v in vals) if f == "words" else vals)
+            for g in ("gemm1", "gemm2") for f, vals in TUNE_AXES.items()])
     if keep:
         key = _key(x, ids, w13, spec, i)
         choice = wo_tune.best(times)
@@ -374,8 +454,7 @@ def wo_moe(
         if why:
             raise UnsupportedError(f"backend 'triton': {what}: {why}", where=OP, fix="use backend='reference'")
     args = (x2, ids, weights, w13, w2, w13_bias, w2_bias, activation, spec, apply_router_weight_on_input)
-    configs, dequant_rows = plan(*args, i)
-    return wo_moe_triton(*args, configs, dequant_rows).reshape(*lead, h)
+    return wo_moe_triton(*args, *plan(*args, i)).reshape(*lead, h)
 
 
 @wo_moe.register_fake

@@ -18,6 +18,7 @@ weight errs by O(1) on its token's row.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -34,9 +35,10 @@ from expecttest import assert_expected_inline
 import qcompile
 from qcompile.errors import UnsupportedError
 from qcompile.kernels import moe_wo as mw
-from qcompile.kernels import registry
+from qcompile.kernels import quant_math, registry
 from qcompile.kernels.experts_ref import reference_experts
 from qcompile.kernels.registry import KernelQuery
+from qcompile.kernels.wo_mma import mma_reason
 from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, Granularity, Packing, QDtype,
                              QuantScheme, fp8_scheme, mx_act)
 from tests.kernels.test_wo_gemm import SPECS, _int, rtn_quantize
@@ -311,16 +313,21 @@ def _plan_args(fmt="int4_g128", t=3):
 
 
 def test_plan_reads_measured_choices(on_gpu_tables):
-    """A table entry decides the call's launch: the grouped kernel with its two configurations, the
-    dequantize path, or the rule (policy, an unreadable entry, no entry, tuning off)."""
+    """A table entry decides the call's launch: the grouped kernel with its two configurations, wo_mma's
+    grouped build with its block size, the dequantize path, or the rule (policy, an unreadable entry, no
+    entry, tuning off; on the CPU the rule never takes wo_mma)."""
     wo_tune = on_gpu_tables
     args = _plan_args()
     key = mw._key(args[0], args[1], args[3], args[8], 128)
     assert key.endswith("|bfloat16|moe E4 k2 256x128 128x128|t4"), key
     cfg = _cfg(32, 64, 16, 2)
-    rule = (None, mw.DEQUANT_ROWS)
-    for entry, want in (({"route": "triton", "launch": {"gemm1": cfg, "gemm2": cfg}}, ((cfg, cfg), mw.NO_DEQUANT)),
-                        ({"route": "dequant"}, (None, 0)), ({"route": "policy"}, rule),
+    rule = (None, mw.DEQUANT_ROWS, None)
+    mma = {"block_m": 16, "gemm2": {"warps": 4, "split": 8}}
+    for entry, want in (({"route": "triton", "launch": {"gemm1": cfg, "gemm2": cfg}}, ((cfg, cfg), mw.NO_DEQUANT, None)),
+                        ({"route": "mma", "launch": mma}, (None, mw.NO_DEQUANT, mma)),
+                        ({"route": "mma", "launch": {"block_m": 12}}, rule),
+                        ({"route": "mma", "launch": {"block_m": 8, "gemm1": {"split": 5}}}, rule),
+                        ({"route": "dequant"}, (None, 0, None)), ({"route": "policy"}, rule),
                         ({"route": "triton", "launch": {"gemm1": {"BLOCK_M": 16}}}, rule),
                         ({"route": "triton", "launch": {"gemm1": cfg, "gemm2": _cfg(16, 64, 16, 2)}}, rule)):
         wo_tune.write_table(wo_tune.SHIPPED / wo_tune.file_name(GPU_NAME), GPU_NAME, {key: entry})
@@ -352,16 +359,41 @@ def test_tune_call_descends_and_stores(on_gpu_tables, monkeypatch):
     wo_tune.tune(True)
     try:
         args = _plan_args()
-        (g1, g2), rows = mw.plan(*args)
+        (g1, g2), rows, mma = mw.plan(*args)
     finally:
         wo_tune.tune(False)
-    assert rows == mw.NO_DEQUANT and g1["BLOCK_M"] == g2["BLOCK_M"] == 32
+    assert rows == mw.NO_DEQUANT and mma is None and g1["BLOCK_M"] == g2["BLOCK_M"] == 32
     assert g1["SPLIT_K"] == 4 and g2["BLOCK_N"] == 32 and g1["num_stages"] == 2
     assert len(timed) == len(set(timed)) > 20  # every candidate timed once
     n = len(timed)
-    assert mw.plan(*args) == ((g1, g2), mw.NO_DEQUANT) and len(timed) == n  # from the cache now
+    assert mw.plan(*args) == ((g1, g2), mw.NO_DEQUANT, None) and len(timed) == n  # from the cache now
     stored = json.loads((wo_tune.cache_dir() / wo_tune.file_name(GPU_NAME)).read_text())["entries"]
     assert list(stored) == [mw._key(args[0], args[1], args[3], args[8], 128)]
+
+
+def test_tune_call_descends_the_grouped_mma_launches(on_gpu_tables, monkeypatch):
+    """Where wo_mma's grouped build has a launch, the descent also starts from its rule ({"block_m": 8}) and
+    walks block_m, then each GEMM's warps and split; the fastest (here a made-up cost preferring block_m 16,
+    GEMM 1 split 2 and GEMM 2 warps 16) is stored and plan() returns it as the call's mma launch."""
+    wo_tune = on_gpu_tables
+
+    def cost(c):
+        if c.route != "mma":
+            return 50.0
+        g1, g2 = c.launch.get("gemm1", {}), c.launch.get("gemm2", {})
+        return 10.0 + (c.launch["block_m"] != 16) + (g1.get("split") != 2) + (g2.get("warps") != 16)
+
+    monkeypatch.setattr(wo_tune, "measure", lambda choices, run, reps=20: {c: cost(c) for c in choices})
+    monkeypatch.setattr(wo_tune, "can_measure", lambda x: True)
+    monkeypatch.setattr(mw, "_mma_launches", lambda *a: ("gemm 1", "gemm 2"))
+    wo_tune.tune(True)
+    try:
+        args = _plan_args()
+        configs, rows, mma = mw.plan(*args)
+    finally:
+        wo_tune.tune(False)
+    assert configs is None and rows == mw.NO_DEQUANT
+    assert mma == {"block_m": 16, "gemm1": {"split": 2}, "gemm2": {"warps": 16}}, mma  # (ties keep the current)
 
 
 # -- the Triton kernels under the interpreter (subprocess: TRITON_INTERPRET is read at import) --------
@@ -624,6 +656,38 @@ def test_gpu_cuda_graph_and_determinism(fmt):
             args[n].copy_(new[n]) for n in ("hidden_states", "top_k_index", "top_k_weights")])
         assert torch.equal(captured, torch.ops.qcompile.wo_moe(*call)), f"T={t}: replay differs from eager"
         check_gpu(captured, args, f"graph T={t}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [f for f in GPU_FORMATS if not FORMATS[f].act_order])
+def test_gpu_grouped_mma_matches_reference(fmt):
+    """wo_mma's grouped build in blocks of 8 and 16 pair slots, on checkpoint-order and tiled experts (as a GPU
+    load stores them), against experts_ref: decode token counts, more pairs of one expert than a block holds
+    (T = 40), biases, fp16 x, swigluoai, the router weight on the input and another rank's expert ids. Both
+    projections have a launch at these shapes (gpt-oss's K = 2880: 8-bit weights with groups dividing it)."""
+    mx = FORMATS[fmt].scale.dtype.name == "E8M0"
+    cases = [(1, {}, False), (5, dict(bias=True), False), (40, dict(activation="swigluoai:1.702:7.0", bias=True),
+             False), (7, {}, True)] + ([] if mx else [(16, dict(dtype=torch.float16, bias=True), False)])
+    spec = FORMATS[fmt]
+    for name, shape in GPU_SHAPES.items():
+        if any(mma_reason(spec, 0, kk) for kk in shape[1:3]):
+            continue
+        for seed, (t, kw, on_input) in enumerate(cases):
+            args = gpu_moe(fmt, t, shape, seed=seed, **kw)
+            args["top_k_index"][0, 0] = -1
+            x, ids = args["hidden_states"], args["top_k_index"]
+            b = (args["w13_bias"], args["w2_bias"])
+            for bm, tiled in itertools.product(mw.MMA_BLOCK_M, (False, True)):
+                s = QuantScheme(dataclasses.replace(spec, tiled=tiled))
+                w13, w2 = (tuple(quant_math.tile_weight(v.reshape(-1, v.shape[-1]), s.weight).reshape(v.shape)
+                                 if r == "weight" and tiled else v for r, v in
+                                 ((r, args[f"{p}_{r}"]) for r in W_ROLES)) for p in ("w13", "w2"))
+                mma = {"block_m": bm}
+                assert mw._mma_launches(x, w13, w2, *b, s, shape[2], mma, ids.numel()), (name, bm)
+                out = mw.wo_moe_triton(x, ids, args["top_k_weights"], w13, w2, *b, args["activation"], s,
+                                       on_input, mma=mma)
+                check_gpu(out, args, f"{name} block_m={bm} tiled={tiled} T={t} {kw}", on_input)
+    torch.cuda.empty_cache()
 
 
 GPU_CHECKPOINTS = ["llmcompressor-w4a16-gptq-moe", "llmcompressor-w4a16-mixtral", "llmcompressor-w8a16-moe",
