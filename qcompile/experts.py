@@ -259,7 +259,6 @@ class QuantExperts(nn.Module):
         projections, permute every expert's weight once into the order that kernel streams (moe_wo.tile_for_mma:
         scheme ``tiled``; decode up to 1.4x faster than the checkpoint order, docs/kernels-moe.md).
         :meth:`disk_tensors` undoes it."""
-        from .kernels.moe_wo import tile_for_mma
         from .kernels.registry import KernelQuery, cuda_capability, select
 
         w13 = self.w13_weight
@@ -268,14 +267,22 @@ class QuantExperts(nn.Module):
             return
         query = KernelQuery(scheme, "cuda", cuda_capability(w13.device), w13.shape[1], self.hidden_dim, self.dtype,
                             kind="experts", num_experts=self.num_experts, top_k=1, activation=self.activation)
-        if select(query).kernel.name != "wo_moe":
-            return
+        if select(query).kernel.name == "wo_moe":
+            self._tile()
+
+    def _tile(self) -> bool:
+        """Permute the experts' weights into wo_mma's grouped streaming order (scheme ``tiled``); False, and
+        nothing changed, where that build does not take them."""
+        from .kernels.moe_wo import tile_for_mma
+
         zp = getattr(self, "w13_weight_zero_point", None)
-        tiled = tile_for_mma(scheme, w13.data, self.w2_weight.data, self.hidden_dim, self.intermediate_dim, self.dtype,
-                             zp.dtype if zp is not None else None)
-        if tiled is not None:
-            scheme, w13, w2 = tiled
-            self.w13_weight, self.w2_weight, self.scheme_key = _param(w13), _param(w2), scheme.key
+        tiled = tile_for_mma(parse_scheme_key(self.scheme_key), self.w13_weight.data, self.w2_weight.data,
+                             self.hidden_dim, self.intermediate_dim, self.dtype, zp.dtype if zp is not None else None)
+        if tiled is None:
+            return False
+        scheme, w13, w2 = tiled
+        self.w13_weight, self.w2_weight, self.scheme_key = _param(w13), _param(w2), scheme.key
+        return True
 
     def _check_all_received(self) -> None:
         for slot in self.slots:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 import qcompile
 from qcompile import synth
 from qcompile.errors import UnsupportedError
+from qcompile.experts import QuantExperts
 from qcompile.linear import QuantLinear, dequantize_model
 
 QUANTIZED_FORMATS = [f for f in synth.FORMATS if f != "bf16"]
@@ -138,6 +139,22 @@ def test_act_order_sorted_and_tiled_round_trips(synth_ckpt, tmp_path):
     assert torch.equal(model(x).logits, want)  # the reference op runs the sorted, tiled layout exactly
     model.save_pretrained(tmp_path / "sorted")
     assert_same_checkpoint(src, tmp_path / "sorted")
+
+
+@pytest.mark.parametrize("name", ["llmcompressor-w4a16-gptq-moe", "modelopt-nvfp4-moe", "quark-w-mxfp4-moe"])
+def test_tiled_experts_round_trip(name, testdata, tmp_path):
+    """A GPU load tiles weight-only experts for wo_mma's grouped build (QuantExperts._tile, done here on the
+    CPU): the reference op runs the tiled layout exactly, and saving writes the producer's tensors."""
+    src = testdata / name
+    model = qcompile.load(str(src))
+    x = torch.randint(3, 300, (1, 6))
+    want = model(x).logits
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    assert experts and all(m._tile() for m in experts)
+    assert all("/tiled" in m.scheme_key for m in experts)
+    assert torch.equal(model(x).logits, want)
+    model.save_pretrained(tmp_path)
+    assert_same_checkpoint(src, tmp_path)
 
 
 def _fp32_reciprocal_not_involutive(n: int, seed: int = 0) -> torch.Tensor:
