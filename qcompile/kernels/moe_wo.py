@@ -1,4 +1,4 @@
-"""``qcompile::wo_moe``: a layer of routed MoE experts with weight-only quantized weights, in Triton.
+"""``qcompile::wo_moe``: a layer of routed MoE experts with weight-only quantized weights.
 
 The weight-only formats of ``qcompile::wo_linear`` (int4 / int8 per tensor, channel or group, with zero
 points or act-order ``g_idx``; NVFP4, MXFP4, MXFP8; NVFP4 / MX-activation schemes run weight-only on
@@ -15,19 +15,23 @@ Arguments: those of ``qcompile::experts_ref`` (:mod:`experts_ref`) without the a
 
 1. ``moe_align`` (:mod:`moe_kernels`): the T·k (token, expert) pairs grouped per expert in blocks of
    BLOCK_M rows; pairs whose expert id is outside [0, E) are left out.
-2. GEMM 1: ``_wo_gemm_kernel`` in its GROUPED mode (:mod:`wo_gemm_triton`; each row block multiplies
-   its expert's weights, decoded in registers, by the x rows of its pairs): fp32 h [split, T·k, N1],
-   the bias added by the first K split; the splits summed.
+2. GEMM 1: at decode sizes on CUDA, wo_mma's grouped build (:func:`wo_mma.grouped`: one launch over the
+   blocks, weights decoded in registers, the x rows of each block's pairs; experts tiled at load,
+   :func:`tile_for_mma`): fp32 h [T·k, N1]. Otherwise ``_wo_gemm_kernel`` in its GROUPED mode
+   (:mod:`wo_gemm_triton`; each row block multiplies its expert's weights, decoded in registers, by the x
+   rows of its pairs): fp32 h [split, T·k, N1], the bias added by the first K split.
 3. ``_act_rows_kernel``: the splits summed and the activation (experts_ref.gated_activation's math) in
    fp32, rounded to x.dtype: one launch.
-4. GEMM 2: the same kernel on w2, bias and router weight in its epilogue: fp32 [split, T·k, H].
+4. GEMM 2: GEMM 1's kernel on w2, bias and router weight in its epilogue: fp32 [split, T·k, H].
 5. ``_moe_sum_kernel``: each token's k pairs and the K splits summed in a fixed order (no atomics,
    deterministic), one rounding to x.dtype.
 
-Launch configurations (:func:`plan`): a measured choice from wo_tune's tables for the call's format, shape
-and T bucket (measured at first use where tuning is on: :func:`tune_call`), else the rule: the dense
-kernel's table (``wo_gemm.pick_config``) for the expected rows per active expert, K split over the
-active experts' tiles. ``backend="reference"`` (any device): the math above by
+Path and launch (:func:`plan`): a measured choice from wo_tune's tables for the call's format, shape and T
+bucket (measured at first use where tuning is on: :func:`tune_call`), else the rule: the grouped wo_mma
+build up to :data:`MMA_MAX_ROWS` rows per active expert (:func:`mma_rule`, wo_policy.grouped_launch), the
+Triton kernel on the dense kernel's table (``wo_gemm.pick_config``) for the expected rows per active
+expert above, K split over the active experts' tiles, dequantize + ``torch._grouped_mm`` above
+:data:`DEQUANT_ROWS`. ``backend="reference"`` (any device): the math above by
 :func:`experts_ref.reference_experts`.
 """
 

@@ -25,6 +25,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 from pathlib import Path
 
@@ -369,6 +370,18 @@ def test_tune_call_descends_and_stores(on_gpu_tables, monkeypatch):
     assert mw.plan(*args) == ((g1, g2), mw.NO_DEQUANT, None) and len(timed) == n  # from the cache now
     stored = json.loads((wo_tune.cache_dir() / wo_tune.file_name(GPU_NAME)).read_text())["entries"]
     assert list(stored) == [mw._key(args[0], args[1], args[3], args[8], 128)]
+
+
+def test_mma_rule_by_rows_per_active_expert(monkeypatch):
+    """The grouped wo_mma build in 8-slot blocks up to 8 rows per active expert, 16-slot blocks up to 16, the
+    Triton kernel above; never off CUDA or with QCOMPILE_MOE_MMA=0."""
+    cuda = types.SimpleNamespace(is_cuda=True)
+    assert [mw.mma_rule(cuda, pairs, 8) for pairs in (2, 64, 65, 128, 129)] == \
+        [{"block_m": 8}, {"block_m": 8}, {"block_m": 16}, {"block_m": 16}, None]
+    assert mw.mma_rule(cuda, 8 * 256, 128) == {"block_m": 16} and mw.mma_rule(cuda, 8 * 257, 128) is None
+    assert mw.mma_rule(types.SimpleNamespace(is_cuda=False), 2, 8) is None
+    monkeypatch.setenv("QCOMPILE_MOE_MMA", "0")
+    assert mw.mma_rule(cuda, 2, 8) is None
 
 
 def test_tune_call_descends_the_grouped_mma_launches(on_gpu_tables, monkeypatch):
