@@ -52,7 +52,7 @@ from .kernels import experts_ref  # noqa: F401  (registers the op)
 from .kernels.experts_ref import ROLES, expert_slice
 from .linear import FLOATS, QuantLinear, _param, release_memory
 from .kernels import quant_math
-from .scheme import Granularity, LayerQuant, ScaleDtype, canonical_shape, parse_scheme_key
+from .scheme import Granularity, LayerQuant, ScaleDtype, parse_scheme_key
 
 log = logging.getLogger("qcompile")
 

@@ -57,7 +57,7 @@ from ..kernels import quant_math
 from ..kernels.registry import _override_for
 from ..scheme import Granularity, LayerQuant, Packing, QDtype, parse_scheme_key
 from .linear import ADDMM_TARGETS, LINEAR_TARGETS, REFERENCE, add_constant, online_linear, quantize_online
-from .lowering import ExplainRow, bind, example, module_of, op_of
+from .lowering import ExplainRow, bind, module_of, op_of
 
 log = logging.getLogger("qcompile")
 
