@@ -174,19 +174,28 @@ def wo_mma(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec
     return run(launch, x2, weight, scale, global_scale, zero_point, bias, spec, out)
 
 
+def operands(x2: torch.Tensor, weight, scale, zero_point, bias, spec: WeightSpec) -> tuple:
+    """(x, words, scales, scale row stride, zero points, bias) as the kernel reads them: x 16-byte aligned (a
+    copy where it is not), the weight as int32 words, fp32 scales or the bytes of 8-bit ones with their stride
+    per row (0 per tensor, 1 per channel, the groups of a row), bias in x's dtype; None where absent."""
+    s = scale.contiguous()
+    if s.dtype != torch.float32:
+        s = s.view(torch.uint8)
+    gran = spec.scale.granularity
+    ss = 0 if gran is Granularity.TENSOR else (1 if gran is Granularity.CHANNEL else s.shape[-1])
+    x2 = x2.clone() if x2.data_ptr() % 16 else x2
+    return (x2, weight.contiguous().view(torch.int32), s, ss,
+            zero_point.contiguous() if zero_point is not None else None,
+            bias.to(x2.dtype).contiguous() if bias is not None else None)
+
+
 def run(launch: MmaLaunch, x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec: WeightSpec,
         out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch ``launch`` (:func:`decide`) on these tensors."""
     cfg, idx = launch.cfg, cuda_driver.device_index(x2.device)
     m, k = x2.shape
     n = weight.shape[0]
-    gran = spec.scale.granularity
-    s = scale.contiguous()
-    if s.dtype != torch.float32:
-        s = s.view(torch.uint8)
-    ss = 0 if gran is Granularity.TENSOR else (1 if gran is Granularity.CHANNEL else s.shape[-1])
-    if x2.data_ptr() % 16:
-        x2 = x2.clone()
+    x2, w, s, ss, z, b = operands(x2, weight, scale, zero_point, bias, spec)
     if out is None:
         out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     elif out.shape != (m, n) or out.dtype != x2.dtype or not out.is_contiguous() or out.data_ptr() % 16:
@@ -194,7 +203,6 @@ def run(launch: MmaLaunch, x2: torch.Tensor, weight, scale, global_scale, zero_p
                          f"{out.dtype} {list(out.shape)}")
     part = torch.empty((launch.split, m, n), dtype=torch.float32, device=x2.device) if launch.global_split else out
     counters = cuda_driver.counters(x2.device, launch.cols) if launch.global_split else out
-    w = weight.contiguous().view(torch.int32)
     dummy = out
     tail = []
     if launch.x_input == "tma":  # x loaded as it is by TMA (wo_mma.cu: XNAT), boxes of 64 k x the token tiles
@@ -208,10 +216,9 @@ def run(launch: MmaLaunch, x2: torch.Tensor, weight, scale, global_scale, zero_p
         x2 = xp
     kern = cuda_driver.with_shared_memory(_kernel(cfg, idx), launch.smem)
     cuda_driver.launch(kern, launch.grid, (cfg.threads, 1, 1), launch.smem, cfg.pdl,
-                       [x2, w, s, zero_point.contiguous() if zero_point is not None else dummy,
+                       [x2, w, s, z if z is not None else dummy,
                         global_scale.float().reshape(1) if global_scale is not None else dummy,
-                        bias.to(x2.dtype).contiguous() if bias is not None else dummy,
-                        out, part, counters, m, n, k, ss, launch.cps, *tail])
+                        b if b is not None else dummy, out, part, counters, m, n, k, ss, launch.cps, *tail])
     return out
 
 
@@ -244,16 +251,8 @@ def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, globa
     out = torch.empty((pairs, n), dtype=torch.float32, device=a.device)
     if block_expert.numel() == 0:
         return out
-    s = scale.contiguous()
-    if s.dtype != torch.float32:
-        s = s.view(torch.uint8)
-    gran = spec.scale.granularity
-    ss = 0 if gran is Granularity.TENSOR else (1 if gran is Granularity.CHANNEL else s.shape[-1])
-    w = weight.contiguous().view(torch.int32)
-    z = zero_point.contiguous() if zero_point is not None else None
+    a, w, s, ss, z, b = operands(a.contiguous(), weight, scale, zero_point, bias, spec)
     gs = global_scale.float().reshape(e).contiguous() if global_scale is not None else None
-    b = bias.to(a.dtype).contiguous() if bias is not None else None
-    a = a.contiguous() if a.data_ptr() % 16 == 0 else a.clone()
     cfg = launch.cfg
     kern = cuda_driver.with_shared_memory(_kernel(cfg, cuda_driver.device_index(a.device)), launch.smem)
     cuda_driver.launch(kern, (launch.cols, launch.split, block_expert.numel()), (cfg.threads, 1, 1), launch.smem,

@@ -549,6 +549,7 @@ def _default_launch(gpu: Gpu, base: MmaConfig, plan_args: tuple, rt: bool) -> Mm
 GROUPED_WARPS_PER_SM = 64
 
 
+@functools.lru_cache(maxsize=None)  # asked on every call of the MoE op
 def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | None = None, split: int | None = None,
                    max_cluster: int = MAX_CLUSTER) -> MmaLaunch | None:
     """The launch of the grouped (MoE experts) mma.sync build for blocks of ``call.m`` pair slots of one expert

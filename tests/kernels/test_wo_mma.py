@@ -366,6 +366,41 @@ def test_source_compiles_x_streamed(name):
                              "90a")
 
 
+@pytest.mark.skipif(not NVRTC and not HAS_CUDA, reason="needs an NVRTC library (QCOMPILE_NVRTC) or a GPU")
+@pytest.mark.parametrize("name", MMA_NAMES)
+def test_source_compiles_grouped(name):
+    """The MoE experts' grouped build: one or two token tiles, a split in a cluster or none, checkpoint-order
+    and tiled words, float zero points; refused with x streamed."""
+    spec = SPECS[name]
+    smode, group = wo_policy.scale_mode(spec)
+    cfg = wo_policy.MmaConfig(wo_policy.FMT[(spec.dtype, spec.packing)], wo_policy.SK[spec.scale.dtype], smode, group,
+                              spec.zero_point, "float", spec.global_scale, True, 1, warps=8, pdl=True, grouped=True)
+    for c in (cfg, replace(cfg, mt=2, cluster=4, packed=True)):
+        assert wo_mma.compile_cubin(wo_mma.source(c), "90")[:4] == b"\x7fELF"
+    with pytest.raises(RuntimeError, match="GROUPED: the mma.sync build with x staged"):
+        wo_mma.compile_cubin(wo_mma.source(replace(cfg, xs=True, packed=True)), "90")
+
+
+def test_operands_as_the_kernel_reads_them():
+    """x copied only where it is not 16-byte aligned, int32 words, fp32 scales as they are and 8-bit ones as
+    bytes with the scale row stride of their granularity, bias in x's dtype, None where absent."""
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    w = torch.randint(0, 255, (16, 64), dtype=torch.uint8)
+    for name, scale, ss in (("int4_g128", torch.rand(16, 1), 1), ("nvfp4", torch.rand(16, 8).to(torch.float8_e4m3fn), 8),
+                            ("int4_channel", torch.rand(16, 1), 1)):
+        spec = SPECS[name]
+        want_ss = {Granularity.TENSOR: 0, Granularity.CHANNEL: 1}.get(spec.scale.granularity, scale.shape[-1])
+        bias = torch.randn(16)
+        x2, words, s, got_ss, z, b = wo_mma.operands(x, w, scale, None, bias, spec)
+        assert x2.data_ptr() == x.data_ptr()  # aligned: no copy
+        assert words.dtype == torch.int32 and words.shape == (16, 16)
+        assert s.dtype == (torch.float32 if scale.dtype == torch.float32 else torch.uint8) and got_ss == want_ss
+        assert z is None and b.dtype == torch.bfloat16
+    shifted = torch.empty(3 * 128 + 1, dtype=torch.bfloat16)[1:].view(3, 128).copy_(x)  # 2-byte offset
+    x2 = wo_mma.operands(shifted, w, torch.rand(16, 1), None, None, SPECS["int4_g128"])[0]
+    assert x2.data_ptr() % 16 == 0 and x2.data_ptr() != shifted.data_ptr() and torch.equal(x2, shifted)
+
+
 FP16_NAMES = [n for n in MMA_NAMES if SPECS[n].scale.dtype is not ScaleDtype.E8M0]
 
 
