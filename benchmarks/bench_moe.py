@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "not find their experts in L2; the floor counts the mean experts touched (default: 1)")
     p.add_argument("--weight-only", action="store_true",
                    help="add the weight-only rows (OURS_WO, WO_PATHS: qcompile::wo_moe) to each shape")
+    p.add_argument("--checkpoint-order", action="store_true",
+                   help="with --weight-only: keep the experts in the checkpoint's word order, not tiled as a GPU "
+                        "load stores them (the grouped wo_mma build's comparison)")
     return p
 
 
@@ -298,9 +301,10 @@ def wo_expert_weights(spec: WeightSpec, e: int, n: int, k: int, device: str, see
 
 
 def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: str, log,
-                   rotate: int = 1) -> list[dict]:
+                   rotate: int = 1, tiled: bool = True) -> list[dict]:
     """The weight-only rows of one shape (OURS_WO, WO_PATHS), rows as :func:`bench_shape`'s; floor: the
-    stored bytes (codes and scales) of the experts the routing touches."""
+    stored bytes (codes and scales) of the experts the routing touches. ``tiled``: experts as a GPU load
+    stores them (:func:`as_loaded`), else in the checkpoint's order."""
     e, h, i, k = shape
     rows = []
     for n, (row, scheme) in enumerate(OURS_WO.items()):
@@ -313,8 +317,10 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
             rows += [dict(shape=name, tokens=t, row=label, us=why, experts_used=0, floor_us=0.0, pct_floor=None)
                      for t in tokens for label in labels]
             continue
-        spec, w13, w2 = as_loaded(spec, *(wo_expert_weights(spec.weight, e, nn, kk, device, 10 * n + j)
-                                          for j, (nn, kk) in enumerate(((2 * i, h), (h, i)))), h, i)
+        w13, w2 = (wo_expert_weights(spec.weight, e, nn, kk, device, 10 * n + j)
+                   for j, (nn, kk) in enumerate(((2 * i, h), (h, i))))
+        if tiled:
+            spec, w13, w2 = as_loaded(spec, w13, w2, h, i)
         scheme = spec.key
         expert_bytes = sum(v.numel() * v.element_size() for ws in (w13, w2) for v in ws if v is not None) / e
         paths = {row: None} | forced
@@ -393,7 +399,8 @@ def run(args: argparse.Namespace) -> dict:
     for name in shapes:
         rows += bench_shape(name, (SHAPES | TINY)[name], tokens, args.replays, bw, device, log, args.rotate)
         if args.weight_only:
-            rows += bench_wo_shape(name, (SHAPES | TINY)[name], tokens, args.replays, bw, device, log, args.rotate)
+            rows += bench_wo_shape(name, (SHAPES | TINY)[name], tokens, args.replays, bw, device, log, args.rotate,
+                                   not args.checkpoint_order)
         if device == "cuda":
             torch.cuda.empty_cache()
     result = dict(device=label, bandwidth_gbps=round(bw, 1), rows=rows, tuned=tuned)

@@ -257,7 +257,7 @@ class QuantExperts(nn.Module):
     def _tile_for_kernel(self) -> None:
         """On a GPU where the registry picks ``wo_moe`` for this layer and wo_mma's grouped build takes both
         projections, permute every expert's weight once into the order that kernel streams (moe_wo.tile_for_mma:
-        scheme ``tiled``; decode up to 1.4x faster than the checkpoint order, docs/kernels-moe.md).
+        scheme ``tiled``; decode up to 1.33x faster than the checkpoint order, docs/kernels-moe.md).
         :meth:`disk_tensors` undoes it."""
         from .kernels.registry import KernelQuery, cuda_capability, select
 
