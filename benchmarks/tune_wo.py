@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             n, k = map(int, shape.lower().split("x"))
             entries.update(tune_shape(FORMATS[fmt], n, k, args.m, g, bw, args.reps))
             torch.cuda.empty_cache()
-        wo_tune.write_table(path, name, entries)
+            wo_tune.write_table(path, name, entries)  # after each shape: a cut run keeps what it measured
     print(f"wrote {path} ({len(entries)} entries)")
     return 0
 
