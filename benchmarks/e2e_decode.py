@@ -46,7 +46,9 @@ from qcompile.errors import QCompileError, UnsupportedError
 
 DENSE_FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "ct-w4a16", "ct-nvfp4")
 MOE_FORMATS = ("bf16", "online-fp8", "modelopt-fp8", "ct-w4a16", "ct-nvfp4")
-ONLINE = {"online-fp8": "fp8_per_tensor", "online-fp8-block": "fp8_per_block"}
+# formats loaded from the bf16 checkpoint, with this online scheme (bf16-qcompile: none, the bf16 weights compiled
+# by qcompile, whose passes then change the attention only)
+ONLINE = {"online-fp8": "fp8_per_tensor", "online-fp8-block": "fp8_per_block", "bf16-qcompile": None}
 
 
 def note(interleaved: bool) -> str:
@@ -107,7 +109,7 @@ def parse_args(argv=None):
 
 def model_name(fmt: str) -> str:
     """The model's row in the results."""
-    return fmt if fmt == "bf16" else f"{fmt} qcompile"
+    return fmt if fmt.startswith("bf16") else f"{fmt} qcompile"
 
 
 def write_checkpoints(model, args, root: str) -> dict:
@@ -362,6 +364,10 @@ def main(argv=None):
             if fmt == "bf16":
                 return bf16.pop  # the model's only reference goes to the run, which frees it
             base = fmt.split("@")[0]
+            if base == "bf16-qcompile":  # the bf16 checkpoint as transformers loads it
+                from transformers import AutoModelForCausalLM
+                return lambda: AutoModelForCausalLM.from_pretrained(paths[base][0], dtype=torch.bfloat16,
+                                                                    device_map=args.device).eval()
             return lambda: qcompile.load(paths[base][0], device=args.device, online=ONLINE.get(base)).eval()
 
         makers = {model_name(fmt): (fmt, maker(fmt)) for fmt in args.formats}

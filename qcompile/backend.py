@@ -10,7 +10,8 @@ the ``torch_dynamo_backends`` entry point) and, from a source checkout too, once
 
 Pipeline on the graph Dynamo hands over: the passes in order (:meth:`QCompileBackend.passes`: the Fuse
 pass ``qcompile.passes.fuse_linears`` (off with ``fuse=False``), the Linear pass ``qcompile.passes.linear``,
-then the Experts pass ``qcompile.passes.experts``), then the inner compiler, on the graph less the inputs whose
+the Experts pass ``qcompile.passes.experts``, then the decode-attention pass ``qcompile.passes.attention`` (off
+with ``gqa_decode=False``)), then the inner compiler, on the graph less the inputs whose
 tensors the Fuse pass made views of its fused constants (nothing reads them any more). ``qcompile.explain()``
 (or ``backend_instance.explain()``) prints what matched.
 """
@@ -37,6 +38,7 @@ class Options:
     online: str | None = None  # "fp8_per_tensor" | "fp8_per_block": quantize bf16 linears at compile time
     ignore: list[str] = field(default_factory=list)  # online: modules to leave alone
     fuse: bool = True  # run linears that share an input (q/k/v, gate/up) as one matmul
+    gqa_decode: bool = True  # one-token grouped-query attention reads each key / value head once
     cudagraphs: bool = False  # inductor: capture CUDA graphs (like mode="reduce-overhead")
     inductor_config: dict[str, Any] = field(default_factory=dict)
     on_graph: Callable | None = None  # test hook: called with (gm before the pass as code, gm after)
@@ -91,14 +93,16 @@ class QCompileBackend:
     def passes(self) -> list:
         """The lowering passes, in the order they run: each rewrites the graph in place and returns its
         explain rows."""
+        from .passes.attention import rewrite_gqa_decode
         from .passes.experts import lower_experts
         from .passes.fuse_linears import fuse_linears
         from .passes.linear import lower_linears
 
         kernels = self.options.kernels
         fuse = [lambda gm, ex: fuse_linears(gm, ex, kernels=kernels, online=self._online)] if self.options.fuse else []
+        gqa = [rewrite_gqa_decode] if self.options.gqa_decode else []
         return fuse + [lambda gm, ex: lower_linears(gm, ex, kernels=kernels, online=self._online),
-                       lambda gm, ex: lower_experts(gm, ex, kernels=kernels, online=self._online)]
+                       lambda gm, ex: lower_experts(gm, ex, kernels=kernels, online=self._online)] + gqa
 
     @property
     def rows(self) -> list:

@@ -1,0 +1,101 @@
+"""The decode-attention pass: grouped-query attention of one query token reads each key / value head once.
+
+transformers' SDPA attention, under torch.compile, expands the keys and values of a grouped-query layer to
+every query head before ``scaled_dot_product_attention`` (``repeat_kv``: ``x[:, :, None].expand(b, kv_heads,
+rep, S, d).reshape(b, kv_heads * rep, S, d)``); the compiled graph then writes ``rep`` copies of the whole
+static cache and the attention kernel reads them back, every layer, every decode step. At decode (one query
+token) this pass runs the same attention on the key / value heads themselves: the query's ``rep`` heads of a
+group become that group's query rows,
+
+    q (b, kv_heads * rep, 1, d) -> (b, kv_heads, rep, d);   sdpa(q, k, v, mask) -> (b, kv_heads, rep, d)
+    -> (b, kv_heads * rep, 1, d)
+
+which is exact (query head ``j`` reads key / value head ``j // rep`` either way; each query row is softmaxed on
+its own). It applies where the mask is absent or shared by all heads (``(b, 1, 1, S)``, what transformers
+passes), dropout is 0 and ``is_causal`` is off; anything else is left as it is. Prefill (more than one query
+token) is left to SDPA's own kernels. ``backend(gqa_decode=False)`` turns the pass off.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from .lowering import example
+
+log = logging.getLogger("qcompile")
+
+SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+_FULL = slice(None)
+
+
+def _repeated(node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(the key / value heads, the nodes of the repeat) when ``node`` is ``repeat_kv`` of them."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target in ("reshape", "view")):
+        return None
+    expand = node.args[0]
+    if not (isinstance(expand, fx.Node) and expand.op == "call_method" and expand.target == "expand"):
+        return None
+    index = expand.args[0]
+    if not (isinstance(index, fx.Node) and index.op == "call_function" and index.target is operator.getitem):
+        return None
+    src, idx = index.args
+    if not (isinstance(src, fx.Node) and isinstance(idx, tuple) and len(idx) >= 3 and idx[2] is None
+            and all(i == _FULL or i is Ellipsis for i in idx[:2] + idx[3:])):
+        return None
+    heads, out = example(src), example(node)
+    if heads is None or out is None or heads.dim() != 4 or out.dim() != 4:
+        return None
+    b, kvh, s, d = heads.shape
+    if (out.shape[0], out.shape[2], out.shape[3]) != (b, s, d) or out.shape[1] % kvh:
+        return None
+    return src, [node, expand, index]
+
+
+def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
+    """Rewrite every one-token grouped-query SDPA call of ``gm`` in place (see the module doc). Returns no
+    explain rows (the table lists quantized layers); logs each rewrite."""
+    graph, count = gm.graph, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in SDPA:
+            continue
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        args = dict(zip(names, node.args), **node.kwargs)
+        if args.get("dropout_p", 0.0) != 0.0 or args.get("is_causal", False) or args.get("enable_gqa", False):
+            continue
+        k, v, q = _repeated(args["key"]), _repeated(args["value"]), example(args["query"])
+        if k is None or v is None or q is None or q.dim() != 4 or q.shape[2] != 1:
+            continue
+        b, h, _, d = q.shape
+        kvh = example(k[0]).shape[1]
+        if not all(isinstance(x, int) for x in (b, h, d, kvh)):  # dynamic shapes: left alone
+            continue
+        if example(v[0]).shape[1] != kvh or h % kvh or h == kvh:
+            continue
+        mask = args.get("attn_mask")
+        if mask is not None:
+            m = example(mask)
+            if m is None or m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1:
+                continue
+        with graph.inserting_before(node):
+            grouped = graph.call_method("reshape", (args["query"], b, kvh, h // kvh, d))
+            kwargs = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False}
+            if args.get("scale") is not None:
+                kwargs["scale"] = args["scale"]
+            out = graph.call_function(node.target, (grouped, k[0], v[0]), kwargs)
+            back = graph.call_method("reshape", (out, b, h, 1, example(args["value"]).shape[3]))
+        node.replace_all_uses_with(back)
+        graph.erase_node(node)
+        for dead in k[1] + v[1]:
+            if not dead.users:
+                graph.erase_node(dead)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+        log.info("qcompile: %d one-token grouped-query attention call(s) read their key / value heads once", count)
+    return []
