@@ -72,7 +72,8 @@ def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
             continue
         b, h, _, d = q.shape
         kvh = example(k[0]).shape[1]
-        if not all(isinstance(x, int) for x in (b, h, d, kvh)):  # dynamic shapes: left alone
+        shape = tuple(example(node).shape)  # the batch broadcast of query, key / value and mask
+        if not all(isinstance(x, int) for x in (b, h, d, kvh, *shape)):  # dynamic shapes: left alone
             continue
         if example(v[0]).shape[1] != kvh or h % kvh or h == kvh:
             continue
@@ -87,10 +88,10 @@ def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
             if args.get("scale") is not None:
                 kwargs["scale"] = args["scale"]
             out = graph.call_function(node.target, (grouped, k[0], v[0]), kwargs)
-            back = graph.call_method("reshape", (out, b, h, 1, example(args["value"]).shape[3]))
+            back = graph.call_method("reshape", (out, *shape))
         node.replace_all_uses_with(back)
         graph.erase_node(node)
-        for dead in k[1] + v[1]:
+        for dead in dict.fromkeys(k[1] + v[1]):  # key and value may share one repeat
             if not dead.users:
                 graph.erase_node(dead)
         count += 1
