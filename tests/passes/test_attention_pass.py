@@ -1,0 +1,340 @@
+"""The decode-attention pass: graph before/after (expecttest), numerics against eager, what it leaves alone."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from torch import nn
+
+import qcompile
+from qcompile import synth
+from qcompile.kv_cache import cache_kwargs
+
+# fp32 on CPU: the grouped attention and the repeated one differ by summation order only: up to 3e-6 on the
+# tiny Llama's logits (|logits| < 5) after 3 steps, 2e-7 on the hand-written attention
+TOL = {"atol": 1e-5, "rtol": 0}
+
+
+def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """transformers' repeat_kv: (b, kv_heads, S, d) -> (b, kv_heads * rep, S, d), head j reading j // rep."""
+    b, kvh, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, kvh, rep, s, d).reshape(b, kvh * rep, s, d)
+
+
+class RepeatedAttention(nn.Module):
+    """Grouped-query attention as transformers' SDPA attention writes it: repeat_kv, then SDPA with ``sdpa``."""
+
+    def __init__(self, rep: int = 2, **sdpa):
+        super().__init__()
+        self.rep, self.sdpa = rep, sdpa
+
+    def forward(self, q, k, v, mask=None):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, self.rep), repeat_kv(v, self.rep), attn_mask=mask,
+                                              **self.sdpa)
+
+
+def qkv(b=2, heads=4, kv_heads=2, q_len=1, s=6, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, heads, q_len, d, generator=g), torch.randn(b, kv_heads, s, d, generator=g),
+            torch.randn(b, kv_heads, s, d, generator=g))
+
+
+def compile_graph(fn, *args, **options):
+    """(output, code before the passes, code after) of ``fn(*args)`` compiled by qcompile as one graph."""
+    torch._dynamo.reset()  # a function of the same code compiled earlier would be reused silently
+    graphs = []
+    be = qcompile.backend(inner="eager", on_graph=lambda before, after: graphs.append((before, after)), **options)
+    with torch.no_grad():
+        out = torch.compile(fn, backend=be, fullgraph=True, dynamic=False)(*args)
+    assert len(graphs) == 1, "one graph, compiled once"
+    return (out, *graphs[0])
+
+
+# -- reading the graphs -------------------------------------------------------------------------------------
+
+def _statements(code: str) -> dict[str, str]:
+    """{name: statement} of the assignments of ``code``, FX's trailing `;  a = b = None` clean-up dropped."""
+    out = {}
+    for line in code.splitlines():
+        stmt = line.strip().split(";  ")[0]
+        name, eq, _ = stmt.partition(" = ")
+        if eq and name.isidentifier():
+            out[name] = stmt
+    return out
+
+
+def _readable(lines: list[str]) -> list[str]:
+    """``lines`` with Dynamo's names of the cache (l_kw_cache_layers_0_keys: the cache reached through ``kw``, under
+    the keyword of the transformers version) as paths, and the counters FX appends to a name (getitem_9, reshape_4:
+    they count the nodes of that name before, which differ between transformers versions) counted again from 0 in
+    the order the names appear here."""
+    seen: dict[str, str] = {}
+    per_base: dict[str, int] = {}
+
+    def recount(m: re.Match) -> str:
+        if m.group(0) not in seen:
+            n = per_base[m.group(1)] = per_base.get(m.group(1), -1) + 1
+            seen[m.group(0)] = m.group(1) + (f"_{n}" if n else "")
+        return seen[m.group(0)]
+
+    cache = r"\bl_kw_(?:cache|past_key_values)_layers_(\d+)_(keys|values)\b"
+    lines = [re.sub(cache, r"cache.layers.\1.\2", x) for x in lines]
+    return [re.sub(r"\b([A-Za-z_]\w*?)(?:_\d+)?\b", recount, x) for x in lines]
+
+
+def graph_diff(before: str, after: str) -> str:
+    """The statements the passes removed (-) and added (+): those defining a name only one side has. A statement
+    that reads a replaced node keeps its name: see :func:`rewired`."""
+    b, a = _statements(before), _statements(after)
+    lines = [f"-{s}" for n, s in b.items() if n not in a] + [f"+{s}" for n, s in a.items() if n not in b]
+    return "\n".join(_readable(lines))
+
+
+def rewired(before: str, after: str) -> list[str]:
+    """Names whose statement reads something else after the passes (the users of a replaced node)."""
+    b, a = _statements(before), _statements(after)
+    return [n for n in b if n in a and a[n] != b[n]]
+
+
+def repeats(code: str) -> int:
+    """How many repeat_kv expands (to 5 dimensions: b, kv_heads, rep, S, d) ``code`` has."""
+    return len(re.findall(r"\.expand\(\w+, \w+, \w+, \w+, \w+\)", code))
+
+
+def sdpa_calls(code: str) -> list[tuple[str, str, str]]:
+    """(query, key, value) argument names of each SDPA call of ``code``."""
+    return re.findall(r"scaled_dot_product_attention\((\w+), (\w+), (\w+)", code)
+
+
+def assert_rewritten(after: str, b: int, kv_heads: int, rep: int, d: int, kv=("l_k_", "l_v_")):
+    """Every SDPA call of ``after`` reads the key / value placeholders ``kv`` themselves and a query grouped to
+    (b, kv_heads, rep, d); nothing repeats heads any more."""
+    statements, calls = _statements(after), sdpa_calls(after)
+    assert calls and not repeats(after), after
+    for q, k, v in calls:
+        assert (k, v) == kv, after
+        assert statements[q].endswith(f".reshape({b}, {kv_heads}, {rep}, {d})"), after
+
+
+# -- a transformers Llama, decoding with a static cache -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama():
+    """llama(layers) -> a tiny fp32 Llama (4 query heads, 2 key / value heads, head_dim 16), SDPA attention."""
+    models = {}
+
+    def make(layers: int):
+        if layers not in models:
+            torch.manual_seed(0)
+            config = synth.tiny_llama_config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                             head_dim=16, vocab_size=100, initializer_range=0.2)
+            models[layers] = llama_model(config)
+        return models[layers]
+
+    return make
+
+
+def llama_model(config):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def greedy_decode(model, ids: torch.Tensor, steps: int, options: dict | None):
+    """(logits of ``steps`` greedy decode steps after an eager prefill of ``ids``, graphs): each step compiled by
+    ``qcompile.backend(**options)`` (fullgraph, static shapes), or eager where ``options`` is None."""
+    from transformers import StaticCache
+
+    n = ids.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=n + steps + 2)
+    kw = cache_kwargs(model, cache)
+
+    def step(tok, pos):
+        return model(input_ids=tok, cache_position=pos, use_cache=True, **kw).logits
+
+    graphs = []
+    if options is not None:
+        torch._dynamo.reset()
+        be = qcompile.backend(inner="eager", on_graph=lambda before, after: graphs.append((before, after)), **options)
+        step = torch.compile(step, backend=be, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        logits = model(input_ids=ids, cache_position=torch.arange(n), use_cache=True, **kw).logits
+        out = []
+        for i in range(steps):
+            out.append(step(logits[:, -1:].argmax(-1), torch.tensor([n + i])))
+            logits = out[-1]
+    assert len(graphs) == (0 if options is None else 1), "one decode graph, no recompile"
+    return torch.cat(out, 1), graphs
+
+
+IDS = torch.tensor([[1, 17, 42, 99, 7], [3, 5, 8, 13, 21]])
+
+
+def test_llama_decode_graph(llama):
+    _, graphs = greedy_decode(llama(1), IDS[:1], 1, {})
+    before, after = graphs[0]
+    assert_expected_inline(graph_diff(before, after), """\
+-getitem = cache.layers.0.keys[(slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None))]
+-hidden_states = getitem.expand(1, 2, 2, 8, 16)
+-key = hidden_states.reshape(1, 4, 8, 16)
+-getitem_1 = cache.layers.0.values[(slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None))]
+-hidden_states_1 = getitem_1.expand(1, 2, 2, 8, 16)
+-value = hidden_states_1.reshape(1, 4, 8, 16)
+-attn_output = torch._C._nn.scaled_dot_product_attention(q_embed, key, value, attn_mask = attention_mask, dropout_p = 0.0, scale = 0.25, is_causal = False)
++reshape_1 = q_embed.reshape(1, 2, 2, 16)
++scaled_dot_product_attention_1 = torch._C._nn.scaled_dot_product_attention(reshape_1, cache.layers.0.keys, cache.layers.0.values, attn_mask = attention_mask, dropout_p = 0.0, is_causal = False, scale = 0.25)
++reshape_2 = scaled_dot_product_attention_1.reshape(1, 4, 1, 16)""")
+    # the attention output's one user (a reshape or a transpose, by transformers version) reads the new output
+    assert len(rewired(before, after)) == 1
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_llama_greedy_decode_matches_eager(llama, batch):
+    model, ids = llama(2), IDS[:batch]
+    want, _ = greedy_decode(model, ids, 3, None)
+    grouped, graphs = greedy_decode(model, ids, 3, {})
+    repeated, graphs_off = greedy_decode(model, ids, 3, {"gqa_decode": False})
+    torch.testing.assert_close(grouped, want, **TOL)
+    torch.testing.assert_close(repeated, want, **TOL)
+    assert torch.equal(grouped.argmax(-1), want.argmax(-1))
+    before, after = graphs[0]
+    assert len(sdpa_calls(after)) == 2 and repeats(before) == 4 and not repeats(after)
+    before, after = graphs_off[0]
+    assert before == after
+
+
+def test_llama_prefill_is_left_alone(llama):
+    model = llama(1)
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    kw = cache_kwargs(model, cache)
+
+    def prefill(ids, pos):
+        return model(input_ids=ids, cache_position=pos, use_cache=True, **kw).logits
+
+    with torch.no_grad():
+        want = prefill(IDS[:1], torch.arange(5))
+    cache.reset()
+    out, before, after = compile_graph(prefill, IDS[:1], torch.arange(5))
+    assert repeats(before) == 2 and before == after
+    torch.testing.assert_close(out, want, **TOL)
+
+
+def test_llama_multi_head_attention_is_left_alone():
+    torch.manual_seed(0)
+    config = synth.tiny_llama_config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, head_dim=16,
+                                     vocab_size=100, num_key_value_heads=4)
+    _, graphs = greedy_decode(llama_model(config), IDS[:1], 1, {})
+    before, after = graphs[0]
+    assert len(sdpa_calls(before)) == 1 and before == after
+
+
+# -- repeat_kv + SDPA written by hand -----------------------------------------------------------------------
+
+def _shared_mask(kind: str, b: int = 2, s: int = 6):
+    """A (b, 1, 1, s) mask shared by all heads: None, boolean (some keys hidden) or additive float."""
+    g = torch.Generator().manual_seed(1)
+    if kind == "none":
+        return None
+    keep = torch.rand(b, 1, 1, s, generator=g) > 0.3
+    keep[..., 0] = True  # every row sees one key at least
+    if kind == "bool":
+        return keep
+    return torch.randn(b, 1, 1, s, generator=g).masked_fill(~keep, float("-inf"))
+
+
+def test_hand_written_decode_graph():
+    _, before, after = compile_graph(RepeatedAttention(), *qkv(), _shared_mask("bool"))
+    assert_expected_inline(graph_diff(before, after), """\
+-getitem = l_k_[(slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None))]
+-expand = getitem.expand(2, 2, 2, 6, 8)
+-reshape = expand.reshape(2, 4, 6, 8)
+-getitem_1 = l_v_[(slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None))]
+-expand_1 = getitem_1.expand(2, 2, 2, 6, 8)
+-reshape_1 = expand_1.reshape(2, 4, 6, 8)
+-scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(l_q_, reshape, reshape_1, attn_mask = l_mask_)
++reshape_2 = l_q_.reshape(2, 2, 2, 8)
++scaled_dot_product_attention_1 = torch._C._nn.scaled_dot_product_attention(reshape_2, l_k_, l_v_, attn_mask = l_mask_, dropout_p = 0.0, is_causal = False)
++reshape_3 = scaled_dot_product_attention_1.reshape(2, 4, 1, 8)""")
+
+
+@pytest.mark.parametrize("mask", ["none", "bool", "float"])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_shared_masks_and_scales_are_rewritten_exactly(mask, scale):
+    q, k, v = qkv(heads=6, kv_heads=2, d=8)
+    module = RepeatedAttention(rep=3, **({} if scale is None else {"scale": scale}))
+    m = _shared_mask(mask)
+    out, _, after = compile_graph(module, q, k, v, m)
+    assert_rewritten(after, b=2, kv_heads=2, rep=3, d=8)
+    assert (f"scale = {scale}" in after) == (scale is not None)
+    torch.testing.assert_close(out, module(q, k, v, m), **TOL)
+
+
+def test_query_batch_broadcast_over_the_keys():
+    """SDPA broadcasts a query of batch 1 over keys of batch 2; the rewrite keeps its output shape."""
+    q, _, _ = qkv(b=1)
+    _, k, v = qkv(b=2)
+    module = RepeatedAttention()
+    out, _, after = compile_graph(module, q, k, v)
+    assert_rewritten(after, b=1, kv_heads=2, rep=2, d=8)
+    assert out.shape == (2, 4, 1, 8)
+    torch.testing.assert_close(out, module(q, k, v), **TOL)
+
+
+def test_key_and_value_of_one_repeat():
+    def attention(q, kv):
+        kv = repeat_kv(kv, 2)
+        return F.scaled_dot_product_attention(q, kv, kv)
+
+    q, k, _ = qkv()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no erase_node() of a node already erased
+        out, _, after = compile_graph(attention, q, k)
+    assert_rewritten(after, b=2, kv_heads=2, rep=2, d=8, kv=("l_kv_", "l_kv_"))
+    torch.testing.assert_close(out, attention(q, k), **TOL)
+
+
+LEFT_ALONE = {  # module, qkv() arguments, mask
+    "mask-per-head": (RepeatedAttention(), {}, torch.randn(2, 4, 1, 6)),
+    "dropout": (RepeatedAttention(dropout_p=0.5), {}, None),
+    "is-causal": (RepeatedAttention(is_causal=True), {}, None),
+    "as-many-kv-heads-as-query-heads": (RepeatedAttention(rep=1), {"kv_heads": 4}, None),
+}
+
+
+@pytest.mark.parametrize("case", LEFT_ALONE)
+def test_left_alone(case):
+    module, shapes, mask = LEFT_ALONE[case]
+    _, before, after = compile_graph(module, *qkv(**shapes), mask)
+    assert repeats(before) == 2 and before == after
+
+
+def test_more_than_one_query_token_is_left_alone():
+    q, k, v = qkv(q_len=3)
+    _, before, after = compile_graph(RepeatedAttention(), q, k, v)
+    assert repeats(before) == 2 and before == after
+
+
+def test_dynamic_shapes_are_left_alone():
+    module, graphs = RepeatedAttention(), []
+    torch._dynamo.reset()
+    be = qcompile.backend(inner="eager", on_graph=lambda before, after: graphs.append((before, after)))
+    compiled = torch.compile(module, backend=be, fullgraph=True, dynamic=True)
+    for s in (6, 7):
+        q, k, v = qkv(s=s)
+        torch.testing.assert_close(compiled(q, k, v), module(q, k, v), **TOL)
+    assert len(graphs) == 1
+    before, after = graphs[0]
+    assert repeats(before) == 2 and before == after
+
+
+def test_gqa_decode_off_leaves_the_graph():
+    q, k, v = qkv()
+    _, before, after = compile_graph(RepeatedAttention(), q, k, v, _shared_mask("bool"), gqa_decode=False)
+    assert repeats(before) == 2 and before == after
