@@ -50,6 +50,8 @@ def _repeated(node) -> tuple[fx.Node, list[fx.Node]] | None:
     heads, out = example(src), example(node)
     if heads is None or out is None or heads.dim() != 4 or out.dim() != 4:
         return None
+    if not all(isinstance(x, int) for x in (*heads.shape, *out.shape)):  # dynamic shapes: left alone
+        return None
     b, kvh, s, d = heads.shape
     if (out.shape[0], out.shape[2], out.shape[3]) != (b, s, d) or out.shape[1] % kvh:
         return None
