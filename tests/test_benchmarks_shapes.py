@@ -1,0 +1,47 @@
+"""benchmarks/bench_shapes.py's report: the % of floor cells, the two checks it prints, the summary table (CPU,
+on made-up timings; the timings themselves need a GPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _bench():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_shapes
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return bench_shapes
+
+
+def _row(wbytes: int, us: dict, floor: dict) -> dict:
+    return {"weight_bytes": wbytes, "us": us, "floor_us": floor}
+
+
+def test_report_checks_and_summary():
+    bench = _bench()
+    big, small = 32 << 20, 4 << 20
+    results = {
+        "6144x4096": {  # a big layer: held to the floor target
+            "bf16": _row(big, {1: 20.0, 256: 24.0}, {1: 16.0, 256: 17.0}),
+            "int4 g128": _row(big // 4, {1: 5.0, 256: 30.0}, {1: 4.0, 256: 5.0}),
+        },
+        "8192x1024": {  # a small one: its 25 % at M = 1 is not the lowest counted
+            "bf16": _row(small, {1: 8.0, 256: 9.0}, {1: 2.0, 256: 3.0}),
+            "int4 g128": _row(small // 4, {1: 4.0, 256: "fails: RuntimeError: x"}, {1: 1.0, 256: 2.0}),
+        },
+    }
+    out = {"gpu": "GPU", "torch": "t", "copy_bandwidth": 3e12, "command": "cmd", "results": results}
+    text = bench.report(out, [1, 256], ["bf16", "int4 g128"])
+    assert "| 6144x4096 (Llama-3.1-8B) | 5.0 (80 %) | 30.0 (17 %) |" in text
+    assert "| 8192x1024 | 4.0 (25 %) | fails |" in text
+    # int4's weight is 8 MB on the big layer too: below the 16 MB the target counts, so no lowest cell for it
+    assert "- int4 g128: lowest" not in text
+    assert "- bf16: lowest % of floor at M <= 16 on weights >= 16 MB: 80 % (6144x4096, M = 1)" in text
+    assert "- int4 g128: slower than bf16 in 1 cells: 6144x4096 M=256 30.0 vs 24.0" in text
+    assert "| M = 1, % of floor | bf16 % | int4 g128 % |" in text
+    assert "| 8192x1024 | 25 % | 25 % |" in text
