@@ -386,12 +386,12 @@ class QuantExperts(nn.Module):
         the checkpoint stored them (the inverse of :meth:`receive` and :meth:`finalize`). Experts whose gate and
         up were requantized to one per-tensor scale at load are written as the model holds them: the
         requantized codes, the shared scale for both (a checkpoint that loads back to the same tensors)."""
-        out = {}
+        out, untiled = {}, {}
         for slot in self.slots:
             leaf = self.naming[(0, 1, 2)[SHARDS.index((slot.group, slot.shard))]]
             for spec in self.lq.tensors:
                 if spec.role in slot.disk:
-                    t = self._canonical_of(slot, spec.role)
+                    t = self._canonical_of(slot, spec.role, untiled)
                     if spec.role == "weight_scale" and self.block_split > 1:
                         t = t[::self.block_split]
                     out[f"{slot.expert}.{leaf}.{slot.disk[spec.role].name}"] = slot._to_disk(spec, t)
@@ -400,8 +400,9 @@ class QuantExperts(nn.Module):
                                                               slot).to(slot.bias.dtype).clone()
         return out
 
-    def _canonical_of(self, slot: ExpertSlot, role: str) -> torch.Tensor | None:
-        """Expert ``slot.expert``'s canonical tensor of ``role`` for ``slot``'s shard, as loaded."""
+    def _canonical_of(self, slot: ExpertSlot, role: str, untiled: dict) -> torch.Tensor | None:
+        """Expert ``slot.expert``'s canonical tensor of ``role`` for ``slot``'s shard, as loaded; ``untiled`` keeps
+        each expert's untiled weight for its other shard."""
         if role == "weight_scale" and slot.group == "w13" and (slot.expert, slot.shard) in self.stored_scales:
             return self.stored_scales[slot.expert, slot.shard]
         if (slot.group, role) in self.per_shard:
@@ -409,7 +410,13 @@ class QuantExperts(nn.Module):
         t = getattr(self, f"{slot.group}_{role}", None)
         w = parse_scheme_key(self.scheme_key).weight
         if t is not None and role == "weight" and w.tiled:  # (tiles of 16 rows: untile the expert first)
-            t = quant_math.untile_weight(t[slot.expert], w)
+            key = (slot.group, slot.expert)
+            if key not in untiled:  # [the untiled expert, shards still to serve]
+                untiled[key] = [quant_math.untile_weight(t[slot.expert], w), 2 if slot.group == "w13" else 1]
+            entry = untiled[key]
+            t, entry[1] = entry[0], entry[1] - 1
+            if not entry[1]:
+                del untiled[key]
             rows = t.shape[0] // (2 if slot.group == "w13" else 1)
             return t[slot.shard * rows:(slot.shard + 1) * rows]
         return None if t is None else self._rows(t, slot)
