@@ -178,6 +178,8 @@ PRODUCERS = {
 
     "llmcompressor-w4a8-moe": ("base-bf16-qwen3moe-tiny", llmcompressor(W4A8_INT, calibrate=False)),
     "modelopt-mxfp8-moe": ("base-bf16-qwen3moe-tiny", modelopt("MXFP8_DEFAULT_CFG")),
+    "modelopt-w4a16-nvfp4-moe": ("base-bf16-qwen3moe-tiny", modelopt("W4A16_NVFP4_CFG")),
+    "modelopt-w4a16-nvfp4-mixtral": ("base-bf16-mixtral-tiny", modelopt("W4A16_NVFP4_CFG")),
     "quark-w8a8-int8-moe": ("base-bf16-qwen3moe-tiny", quark("int8")),
     "quark-w-mxfp4-a-mxfp4-moe": ("base-bf16-qwen3moe-tiny", quark("mxfp4")),
     "quark-w-mxfp4-a-fp8-moe": ("base-bf16-qwen3moe-tiny", quark("mxfp4_fp8")),

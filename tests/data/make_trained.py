@@ -32,8 +32,8 @@ base and calibrated on 64 windows of 128 training tokens, ``lm_head`` left unqua
 
 * ``llmcompressor-fp8-dynamic``, ``-w4a16-gptq``, ``-nvfp4``: ``oneshot`` with FP8_DYNAMIC
   (QuantizationModifier), W4A16 (GPTQModifier, group 128), NVFP4 (QuantizationModifier).
-* ``modelopt-fp8``, ``modelopt-nvfp4``: ``mtq.quantize`` with FP8_DEFAULT_CFG / NVFP4_DEFAULT_CFG,
-  then ``export_hf_checkpoint``.
+* ``modelopt-fp8``, ``modelopt-nvfp4``, ``modelopt-w4a16-nvfp4``: ``mtq.quantize`` with FP8_DEFAULT_CFG /
+  NVFP4_DEFAULT_CFG / W4A16_NVFP4_CFG, then ``export_hf_checkpoint``.
 * ``quark-w-mxfp4``: the model's template's ``mxfp4_weight_only`` scheme, then ``export_safetensors``.
 * ``quark-w8a8-int8`` (MoE only): the template's ``int8`` scheme (per-tensor W8A8, static activations).
 """
@@ -292,6 +292,7 @@ PRODUCERS = {
     "llmcompressor-nvfp4": llmcompressor("rtn", "NVFP4"),
     "modelopt-fp8": modelopt("FP8_DEFAULT_CFG"),
     "modelopt-nvfp4": modelopt("NVFP4_DEFAULT_CFG"),
+    "modelopt-w4a16-nvfp4": modelopt("W4A16_NVFP4_CFG"),
     "quark-w-mxfp4": quark("mxfp4_weight_only"),
     "quark-w8a8-int8": quark("int8"),
 }
