@@ -14,7 +14,6 @@ Checkpoints: tests/data/checkpoints (README there says which producer wrote each
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import re
@@ -29,12 +28,13 @@ import qcompile
 from qcompile.experts import QuantExperts, is_experts
 from qcompile.kernels import quant_math
 from qcompile.kernels.experts_ref import gated_activation
-from qcompile.linear import QuantLinear, dequantize_model
+from qcompile.linear import QuantLinear
 from qcompile.scheme import parse_scheme_key
 
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128, 5, 300, 11]])
 FP8_T = "w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor"
 NVFP4 = "w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global"
+NVFP4_A16 = "w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=none"  # NVFP4A16, ModelOpt W4A16_NVFP4
 QWEN_TINY, MIXTRAL_TINY = "base-bf16-qwen3moe-tiny", "base-bf16-mixtral-tiny"
 
 # checkpoint -> (the bf16 model it was made from, the experts' scheme, dequantized weights vs it: rel. error)
@@ -49,7 +49,7 @@ CASES = {
     "llmcompressor-fp8-static-moe": (QWEN_TINY, FP8_T, 0.06),
     "llmcompressor-fp8-dyntensor-moe": (QWEN_TINY, "w=fp8_e4m3/tensor;a=fp8_e4m3/dynamic/tensor", 0.06),
     "llmcompressor-fp8-block-moe": (QWEN_TINY, "w=fp8_e4m3/block128x128;a=fp8_e4m3/dynamic/group128", 0.05),
-    "llmcompressor-nvfp4a16-moe": (QWEN_TINY, "w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=none", 0.15),
+    "llmcompressor-nvfp4a16-moe": (QWEN_TINY, NVFP4_A16, 0.15),
     "llmcompressor-w8a16-moe": (QWEN_TINY, "w=int8/group128/pack=int32;a=none", 0.02),
     "llmcompressor-w4a8-moe": (QWEN_TINY, "w=int4/group32;a=int8/dynamic/token", 0.2),
     "quark-w8a8-int8-moe": (QWEN_TINY, "w=int8/tensor;a=int8/static/tensor", 0.02),
@@ -66,6 +66,9 @@ CASES = {
     "quark-w8a8-int8-channel-moe": (QWEN_TINY, "w=int8/channel;a=int8/dynamic/token", 0.02),
     "quark-w-int4-a-fp8-moe": (QWEN_TINY, "w=int4/channel/pack=int32/global;a=fp8_e4m3/dynamic/tensor", 0.15),
     "modelopt-mxfp8-moe": (QWEN_TINY, "w=fp8_e4m3/group32:e8m0;a=fp8_e4m3/dynamic/group32:e8m0", 0.06),
+    "modelopt-w4a16-nvfp4-moe": (QWEN_TINY, NVFP4_A16, 0.15),
+    # ModelOpt writes Mixtral's own names (block_sparse_moe.experts.E.w1 / w3 / w2)
+    "modelopt-w4a16-nvfp4-mixtral": (MIXTRAL_TINY, NVFP4_A16, 0.15),
     "llmcompressor-fp8-dynamic-mixtral": (MIXTRAL_TINY, "w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token", 0.04),
     "llmcompressor-w4a16-mixtral": (MIXTRAL_TINY, "w=int4/group128/pack=int32;a=none", 0.2),
     # moe_intermediate 192: the 128-row blocks of gate and up end in partial blocks, split in 64-row ones
@@ -249,7 +252,18 @@ wo_linear layers.1.self_attn.o_proj w=fp4_e2m1/group32:e8m0/pack=uint8;a=none
 experts_ref layers.1.mlp.experts w=fp4_e2m1/group32:e8m0/pack=uint8;a=none""")
 
 
-@pytest.mark.parametrize("name", ["llmcompressor-fp8-dynamic-mixtral", "llmcompressor-fp8-block-deepseekv3"])
+def test_modelopt_weight_only_moe_compiles_to_one_experts_op_per_layer(testdata):
+    """W4A16_NVFP4: the linears lower to the weight-only op (no activation to quantize), not NVFP4's reference."""
+    assert_expected_inline(_compiled_ops(testdata, "modelopt-w4a16-nvfp4-moe"), """\
+wo_linear layers.1.self_attn.q_proj w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=none
+wo_linear layers.1.self_attn.k_proj w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=none
+wo_linear layers.1.self_attn.v_proj w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=none
+wo_linear layers.1.self_attn.o_proj w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=none
+experts_ref layers.1.mlp.experts w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=none""")
+
+
+@pytest.mark.parametrize("name", ["llmcompressor-fp8-dynamic-mixtral", "modelopt-w4a16-nvfp4-mixtral",
+                                  "llmcompressor-fp8-block-deepseekv3"])
 def test_other_architectures_compile_to_one_experts_op_per_layer(testdata, name):
     _compiled_ops(testdata, name)
 
@@ -366,3 +380,10 @@ def test_quark_moe_kernel_on_sm90(testdata, name, monkeypatch):
     rows = sm90_rows(experts, monkeypatch)
     assert [r.kernel for r in rows] == [kernel]
     assert reason in rows[0].reason and bool(reason) == bool(rows[0].reason)
+
+
+@pytest.mark.parametrize("name", ["modelopt-w4a16-nvfp4-moe", "modelopt-w4a16-nvfp4-mixtral"])
+def test_modelopt_weight_only_moe_kernel_on_sm90(testdata, name, monkeypatch):
+    """ModelOpt W4A16_NVFP4 experts on a CUDA sm_90 device: the weight-only MoE, nothing dropped (no reason)."""
+    rows = sm90_rows(next(iter(experts_of(load(testdata, name)).values())), monkeypatch)
+    assert [(r.kernel, r.reason) for r in rows] == [("wo_moe", "")]
