@@ -47,6 +47,11 @@ REAL = {  # checkpoint -> (scheme of q_proj, unquantized modules)
     "modelopt-nvfp4-dense": (QuantScheme(NVFP4_WEIGHT, NVFP4_ACT), ["lm_head", "model.embed_tokens"]),
     "modelopt-fp8-moe": (fp8_scheme("tensor", "static_tensor"),
                          ["lm_head", "model.embed_tokens", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]),
+    "modelopt-w4a16-nvfp4-moe": (QuantScheme(NVFP4_WEIGHT, None), ["lm_head", "model.embed_tokens",
+                                                                   "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]),
+    "modelopt-w4a16-nvfp4-mixtral": (QuantScheme(NVFP4_WEIGHT, None),
+                                     ["lm_head", "model.embed_tokens", "model.layers.0.block_sparse_moe.gate",
+                                      "model.layers.1.block_sparse_moe.gate"]),
 }
 
 
@@ -78,9 +83,10 @@ def test_real_config_resolves(ckpt, form):
         assert cfg.resolve(f"{ATTN}.{leaf}").scheme == scheme
     for name in unquantized:
         assert cfg.resolve(name) is None, name
-    if "moe" in ckpt:
+    if "moe" in ckpt or "mixtral" in ckpt:
         assert cfg.resolve("model.layers.0.mlp.experts", "moe").scheme == scheme
         assert cfg.resolve("model.layers.1.mlp.experts.3.gate_proj").scheme == scheme
+        assert cfg.resolve("model.layers.1.block_sparse_moe.experts.3.w1").scheme == scheme
     else:
         assert cfg.resolve("model.layers.1.mlp.gate_up_proj").scheme == scheme
 
@@ -101,6 +107,8 @@ def test_real_tensors_match_the_declared_names_dtypes_and_shapes(ckpt):
         k = cols * 2 if lq.scheme.weight.packing is Packing.UINT8 else cols
         fp4 = lq.scheme.weight.dtype is QDtype.FP4_E2M1
         want = {"weight": "U8" if fp4 else "F8_E4M3", "weight_scale": "F8_E4M3" if fp4 else "F32"}
+        stored = {key[len(module) + 1:] for key in hdr if key.startswith(f"{module}.")}
+        assert stored == {t.name for t in lq.tensors}, module  # W4A16_NVFP4: no input_scale
         for t in lq.tensors:
             dtype, shape = hdr[f"{module}.{t.name}"]
             assert shape_matches(shape, canonical_shape(t.role, lq.scheme, n, k)), (module, t)
