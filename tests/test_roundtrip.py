@@ -141,7 +141,22 @@ def test_act_order_sorted_and_tiled_round_trips(synth_ckpt, tmp_path):
     assert_same_checkpoint(src, tmp_path / "sorted")
 
 
-@pytest.mark.parametrize("name", ["llmcompressor-w4a16-gptq-moe", "modelopt-nvfp4-moe", "quark-w-mxfp4-moe"])
+def test_trained_modelopt_w4a16_nvfp4_round_trips(tmp_path):
+    """ModelOpt W4A16_NVFP4 (no input_scale on disk) of the trained Llama: written back as the producer wrote
+    it, eager and after compiling (q/k/v and gate/up fused into shared storage)."""
+    from tests.trained_util import TRAINED
+
+    src = TRAINED / "modelopt-w4a16-nvfp4"
+    model = round_trip(src, tmp_path / "eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=qcompile.backend(inner="eager"))(torch.tensor([[1, 17, 42, 99]]))
+    model.save_pretrained(tmp_path / "compiled")
+    assert_same_checkpoint(src, tmp_path / "compiled")
+
+
+@pytest.mark.parametrize("name", ["llmcompressor-w4a16-gptq-moe", "modelopt-nvfp4-moe", "modelopt-w4a16-nvfp4-moe",
+                                  "modelopt-w4a16-nvfp4-mixtral", "quark-w-mxfp4-moe"])
 def test_tiled_experts_round_trip(name, testdata, tmp_path):
     """A GPU load tiles weight-only experts for wo_mma's grouped build (QuantExperts._tile, done here on the
     CPU): the reference op runs the tiled layout exactly, and saving writes the producer's tensors."""
