@@ -38,6 +38,7 @@ def assert_same(ours: dict, theirs: dict, skip: str = "\0") -> None:
     ("modelopt-fp8", "base-bf16-moe", "modelopt-fp8-moe"),
     ("ct-nvfp4", "base-bf16-moe", "llmcompressor-nvfp4-moe"),
     ("modelopt-nvfp4", "base-bf16-moe", "modelopt-nvfp4-moe"),
+    ("modelopt-w4a16-nvfp4", "base-bf16-qwen3moe-tiny", "modelopt-w4a16-nvfp4-moe"),
     ("quark-mxfp4", "base-bf16-moe", "quark-w-mxfp4-moe")])
 def test_writer_is_byte_identical_to_the_producer(testdata, tmp_path, fmt, source, producer):
     """Same tensors (codes, scales, global scales; MoE: per expert, gate and up sharing a global scale) and

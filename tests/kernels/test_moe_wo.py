@@ -705,7 +705,8 @@ def test_gpu_grouped_mma_matches_reference(fmt):
 
 GPU_CHECKPOINTS = ["llmcompressor-w4a16-gptq-moe", "llmcompressor-w4a16-mixtral", "llmcompressor-w8a16-moe",
                    "llmcompressor-nvfp4a16-moe", "llmcompressor-nvfp4-moe", "modelopt-nvfp4-moe", "modelopt-mxfp8-moe",
-                   "quark-w-mxfp4-moe", "quark-w-mxfp4-a-mxfp6-e2m3-moe", "quark-w-int4-a-fp8-moe"]
+                   "modelopt-w4a16-nvfp4-moe", "modelopt-w4a16-nvfp4-mixtral", "quark-w-mxfp4-moe",
+                   "quark-w-mxfp4-a-mxfp6-e2m3-moe", "quark-w-int4-a-fp8-moe"]
 
 
 @pytest.mark.gpu
