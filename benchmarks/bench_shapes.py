@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_wo_linear import FORMATS as WO_FORMATS, op_fn, timed, weight_bytes, weight_copies  # noqa: E402
+from bench_wo_linear import FORMATS as WO_FORMATS, copies_for, op_fn, timed, weight_bytes, weight_copies  # noqa: E402
 from tune_wo import SHAPES, copy_bandwidth  # noqa: E402
 
 from qcompile.kernels import fp8, quant_math  # noqa: E402,F401 - fp8 registers qcompile::fp8_linear
@@ -48,14 +48,10 @@ BIG = 16 << 20  # weights from this size on are held to the floor target at M <=
 SUMMARY = ("bf16", "fp8 tensor", "int4 g128")  # the formats of the summary table (docs/benchmarks.md plots it)
 
 
-def copies(nbytes: int) -> int:
-    return max(2, -(-200_000_000 // nbytes))
-
-
 def fp8_weights(gran: Granularity, n: int, k: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Quantized copies of random bf16-range weights (enough for :func:`copies`)."""
+    """Quantized copies of random bf16-range weights (enough for ``copies_for``)."""
     out = []
-    for _ in range(copies(n * k)):
+    for _ in range(copies_for(n * k)):
         w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
         out.append(quant_math.quantize_weight_fp8(w, gran))
         del w
@@ -65,7 +61,7 @@ def fp8_weights(gran: Granularity, n: int, k: int, g: torch.Generator) -> list[t
 def bench_format(fmt: str, n: int, k: int, xs: dict, g: torch.Generator, calls: int, replays: int):
     """{M: µs}, and the bytes one call reads besides x and out."""
     if fmt == "bf16":
-        ws = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(copies(2 * n * k))]
+        ws = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(copies_for(2 * n * k))]
         return {m: timed([lambda w=w, x=x: F.linear(x, w) for w in ws], calls, replays, m)
                 for m, x in xs.items()}, 2 * n * k
     if fmt in FP8:
