@@ -13,10 +13,11 @@ The bf16 weights are made on the device (seeded); each quantized checkpoint is q
 safetensors shards and loaded by ``qcompile.load``, so the loader is what runs. Models are measured one after
 another, each freed before the next loads; with ``--interleave`` all are built and their decode steps captured
 first, then the decode rounds alternate between them (order rotated each round). Per model: weight memory;
-decode tokens/s of an own greedy loop (StaticCache, one compiled step per token, CUDA graphs) at each
+decode tokens/s of an own greedy loop (StaticCache, one compiled step per token with its argmax, CUDA graphs, no
+host synchronization between steps) at each
 ``--batch``, the median of ``--reps`` rounds and their spread, against the weight-read floor (bytes one step
 reads / the device-to-device copy bandwidth measured in the same run); the compiled prefill of ``--prefill``
-tokens at batch 1; logits errors on a 32-token probe (compiled vs eager, and vs the dequantized bf16 model);
+tokens at batch 1 (compiled without CUDA graphs); logits errors on a 32-token probe (compiled vs eager, and vs the dequantized bf16 model);
 with ``--hf-generate``, ``model.generate`` with a static cache and a CompileConfig (qcompile backend, its CUDA
 graphs), decode tokens/s next to the own loop's.
 """
@@ -139,7 +140,8 @@ class Held:
 
 
 def compilers(args, quantized: bool, kernels: str | None) -> tuple:
-    """(the qcompile backend or None, the compile function of the timed steps, that of the error probe)."""
+    """(the qcompile backend or None, the compile function of the decode steps (CUDA graphs), that of the error
+    probe and the prefill (no CUDA graphs: a prefill is one long compute-bound step))."""
     import qcompile
 
     cuda, fullgraph = args.device == "cuda", not args.no_fullgraph
@@ -153,11 +155,11 @@ def compilers(args, quantized: bool, kernels: str | None) -> tuple:
             return torch.compile(f, backend=args.inner, fullgraph=fullgraph, dynamic=False)
         return torch.compile(f, mode="reduce-overhead" if cuda else None, fullgraph=fullgraph, dynamic=False)
 
-    def probe_compile(f):  # the error probe: no CUDA graphs
+    def plain_compile(f):
         return torch.compile(f, backend=qcompile.backend(inner=args.inner, kernels=kernels) if quantized else args.inner,
                              dynamic=False)
 
-    return be, compile_fn, probe_compile
+    return be, compile_fn, plain_compile
 
 
 def prepare(name: str, fmt: str, make, args, results: dict) -> Held:
@@ -168,11 +170,11 @@ def prepare(name: str, fmt: str, make, args, results: dict) -> Held:
     em.sync(args.device)
     out = results[name] = {"load_s": time.perf_counter() - t0, "weight_bytes": em.tensor_bytes(model)}
     quantized = fmt != "bf16"
-    be, compile_fn, probe_compile = compilers(args, quantized, fmt.partition("@")[2] or None)
+    be, compile_fn, plain_compile = compilers(args, quantized, fmt.partition("@")[2] or None)
     probe = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
-    out["errors"] = em.logits_errors(model, probe_compile, probe.to(args.device), quantized)
+    out["errors"] = em.logits_errors(model, plain_compile, probe.to(args.device), quantized)
     if args.prefill:
-        out["prefill_ms"] = em.prefill_ms(model, compile_fn, args.device, args.prefill, args.reps)
+        out["prefill_ms"] = em.prefill_ms(model, plain_compile, args.device, args.prefill, args.reps)
     if args.hf_generate:
         torch._dynamo.reset()
         out["hf_generate_b1"] = em.generate_tok_s(model, em.compile_config(quantized, args.device == "cuda", args.inner),

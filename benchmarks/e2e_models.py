@@ -114,8 +114,12 @@ def logits_errors(model, compile_fn, probe, quantized: bool) -> dict:
 
 
 class Decoder:
-    """Own greedy decode loop at one batch size: StaticCache, a compiled one-token step (CUDA graphs
-    where the compile function captures them). ``run(n)`` returns the seconds of ``n`` more steps."""
+    """Own greedy decode loop at one batch size: StaticCache, a compiled one-token step that returns the next
+    token (the argmax inside the step; CUDA graphs where the compile function captures them). The positions are
+    views of one tensor made on the device up front, so a step needs nothing from the host and the loop never
+    waits for the GPU between steps (copying a host position to the device each step would synchronize the
+    stream, leaving the GPU idle while the host prepares the next step). ``run(n)`` returns the seconds of ``n``
+    more steps."""
 
     def __init__(self, model, compile_fn, device: str, batch: int, prompt_len: int, max_steps: int):
         from transformers import StaticCache
@@ -127,18 +131,23 @@ class Decoder:
             logits = model(input_ids=ids, past_key_values=self.cache, use_cache=True,
                            cache_position=torch.arange(prompt_len, device=device), logits_to_keep=1).logits
         self.tok, self.pos = logits[:, -1:].argmax(-1), prompt_len
+        self.positions = torch.arange(prompt_len + max_steps, device=device)
         self.step = compile_fn(self._step)
 
     def _step(self, tok, pos):
-        return self.model(input_ids=tok, past_key_values=self.cache, cache_position=pos, use_cache=True).logits
+        logits = self.model(input_ids=tok, past_key_values=self.cache, cache_position=pos, use_cache=True).logits
+        return logits[:, -1:].argmax(-1)
 
     def run(self, n: int) -> float:
         tok, pos = self.tok, self.pos
+        if pos + n > len(self.positions):
+            raise ValueError(f"the decoder was built for {len(self.positions)} positions, asked for {pos + n}")
         with torch.no_grad():
             sync(self.device)
             t0 = time.perf_counter()
             for _ in range(n):
-                tok = self.step(tok, torch.tensor([pos], device=self.device))[:, -1:].argmax(-1).clone()
+                # clone: the next step's input must outlive the replay that overwrites this step's output
+                tok = self.step(tok, self.positions[pos:pos + 1]).clone()
                 pos += 1
             sync(self.device)
         self.tok, self.pos = tok, pos
