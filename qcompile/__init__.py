@@ -24,7 +24,7 @@ def _register_torch_log():
 _register_torch_log()
 
 from .backend import backend, explain, register_dynamo_backend  # noqa: E402
-from . import kv_cache  # noqa: E402  (qcompile.kv_cache.FP8Cache)
+from . import kv_cache  # noqa: E402,F401  (qcompile.kv_cache.FP8Cache)
 
 register_dynamo_backend()
 

@@ -101,7 +101,8 @@ class QCompileBackend:
         kernels = self.options.kernels
         fuse = [lambda gm, ex: fuse_linears(gm, ex, kernels=kernels, online=self._online)] if self.options.fuse else []
         gqa = [rewrite_gqa_decode] if self.options.gqa_decode else []
-        return fuse + [lambda gm, ex: lower_linears(gm, ex, kernels=kernels, online=self._online),
+        inner = self.options.inner
+        return fuse + [lambda gm, ex: lower_linears(gm, ex, kernels=kernels, online=self._online, compiler=inner),
                        lambda gm, ex: lower_experts(gm, ex, kernels=kernels, online=self._online)] + gqa
 
     @property

@@ -332,6 +332,8 @@ def check_inductor(q: KernelQuery) -> str | None:
     w, a = q.scheme.weight.scale.granularity, q.scheme.act.scale.granularity
     if w is Granularity.BLOCK or a is Granularity.GROUP:
         return f"no block / group recipe (weight {w.value}, activation {a.value})"
+    if q.compiler != "inductor":
+        return f"needs inductor as the inner compiler (its graph ops fuse there), have {q.compiler}"
     return cuda_reason(q, (8, 9)) or (f"N={q.n}, K={q.k} not multiples of 16" if q.n % 16 or q.k % 16 else None)
 
 
@@ -360,7 +362,7 @@ FP8_SCALED_MM = register(Kernel(
     description="Triton activation quant + torch._scaled_mm (tensor/row-wise) or F.scaled_mm (block, sm_90)",
 ))
 FP8_INDUCTOR = register(Kernel(
-    name="fp8_inductor", op=IN_GRAPH_OP, backend="", priority=25, check=check_inductor, computes=fp8_w8a8_reason,
+    name="fp8_inductor", op=IN_GRAPH_OP, backend="", priority=35, check=check_inductor, computes=fp8_w8a8_reason,
     description="activation quant + torch._scaled_mm as graph ops: inductor fuses the quant into x's producer",
 ))
 FP8_FLASHINFER = register(Kernel(

@@ -46,6 +46,7 @@ class KernelQuery:
     top_k: int = 0
     tokens: int | None = None
     activation: str = ""  # experts: the gated activation ("silu", "swigluoai:<alpha>:<limit>", ...)
+    compiler: str = "inductor"  # the compiler the lowered graph goes to (the backend's inner compiler)
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,11 @@ ADDMM_TARGETS = (torch.addmm, torch.ops.aten.addmm.default)  # transformers' Con
 REFERENCE = "qcompile::linear_ref"
 
 
-def _query(scheme_key: str, x, weight_shape) -> KernelQuery:
+def _query(scheme_key: str, x, weight_shape, compiler: str) -> KernelQuery:
     scheme = parse_scheme_key(scheme_key)
     n, k = weight_shape[0], x.shape[-1]
     return KernelQuery(scheme=scheme, device=x.device.type, capability=cuda_capability(x.device),
-                       n=int(n), k=int(k), act_dtype=x.dtype)
+                       n=int(n), k=int(k), act_dtype=x.dtype, compiler=compiler)
 
 
 def _weight_only(op_name: str) -> bool:
@@ -62,9 +62,10 @@ def _warn_weight_only(query: KernelQuery, kernel: str) -> None:
                   "kernels='reference' (the eager model is always faithful).", stacklevel=2)
 
 
-def lower_linears(gm: fx.GraphModule, example_inputs, kernels=None, online: QuantConfig | None = None
-                  ) -> list[ExplainRow]:
-    """Rewrite ``gm`` in place; return one row per matched layer."""
+def lower_linears(gm: fx.GraphModule, example_inputs, kernels=None, online: QuantConfig | None = None,
+                  compiler: str = "inductor") -> list[ExplainRow]:
+    """Rewrite ``gm`` in place; return one row per matched layer. ``compiler``: the compiler the graph goes to
+    next (kernels that only pay off under inductor need it)."""
     rows: list[ExplainRow] = []
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -87,7 +88,7 @@ def lower_linears(gm: fx.GraphModule, example_inputs, kernels=None, online: Quan
             module = args.pop("_module")
         else:
             continue
-        query = _query(args["scheme"], x, w.shape if hasattr(w, "shape") else w)
+        query = _query(args["scheme"], x, w.shape if hasattr(w, "shape") else w, compiler)
         row, sel = lower_node(graph, node, args, query, module, kernels, REFERENCE)
         if query.scheme.act is not None and _weight_only(sel.kernel.op):
             row.reason = "; ".join(filter(None, [row.reason, "activations not quantized (weight-only kernel)"]))

@@ -288,12 +288,20 @@ def test_triton_quant_kernels_under_interpreter():
 
 # -- kernel selection ----------------------------------------------------------------------------
 
-def _query(weight, act, capability, n=4096, k=4096):
-    return KernelQuery(fp8_scheme(weight, act), "cpu" if capability is None else "cuda", capability, n, k)
+def _query(weight, act, capability, n=4096, k=4096, compiler="inductor"):
+    return KernelQuery(fp8_scheme(weight, act), "cpu" if capability is None else "cuda", capability, n, k,
+                       compiler=compiler)
+
+
+def _fast(weight, act, compiler):
+    """The CUDA kernel of a recipe: the in-graph ops under inductor for tensor / channel weights with tensor /
+    token activations, else scaled_mm."""
+    in_graph = compiler == "inductor" and weight != "block" and act != "dynamic_group"
+    return "fp8_inductor" if in_graph else "fp8_scaled_mm"
 
 
 EXPECTED_SELECTION = {
-    # capability: {(weight, act): kernel}; anything not listed -> fp8_scaled_mm
+    # capability: {(weight, act): kernel}; anything not listed -> _fast(weight, act, compiler)
     (9, 0): {("tensor", "dynamic_group"): "fp8_emulated", ("channel", "dynamic_group"): "fp8_emulated"},
     (10, 0): {("tensor", "dynamic_group"): "fp8_emulated", ("channel", "dynamic_group"): "fp8_emulated",
               **{("block", a): "fp8_emulated" for a in ACTS}},
@@ -302,14 +310,18 @@ EXPECTED_SELECTION = {
 }
 
 
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0), (8, 0), None], ids=str)
-def test_selection_by_capability(capability, monkeypatch):
+def test_selection_by_capability(capability, compiler, monkeypatch):
     monkeypatch.setitem(registry._AVAILABLE, "flashinfer", False)
     for weight, act in RECIPES:
-        sel = registry.select(_query(weight, act, capability))
-        want = EXPECTED_SELECTION[capability].get((weight, act), "fp8_scaled_mm")
+        sel = registry.select(_query(weight, act, capability, compiler=compiler))
+        want = EXPECTED_SELECTION[capability].get((weight, act), _fast(weight, act, compiler))
         assert sel.kernel.name == want, (weight, act, sel.kernel.name, sel.reason)
         reasons = dict(sel.rejected)
+        if want == "fp8_scaled_mm" and weight != "block":
+            assert reasons["fp8_inductor"] == \
+                "needs inductor as the inner compiler (its graph ops fuse there), have aot_eager"
         if want == "fp8_emulated":
             assert reasons["fp8_flashinfer"] == "flashinfer is not installed"
             why = reasons["fp8_scaled_mm"]
@@ -327,11 +339,12 @@ def test_selection_reasons_and_flashinfer(monkeypatch):
     monkeypatch.setitem(registry._AVAILABLE, "flashinfer", True)
     k_fi = registry.kernels()
     names = [k.name for k in k_fi]
-    assert names.index("fp8_scaled_mm") < names.index("fp8_flashinfer") < names.index("fp8_emulated") \
-        < names.index("reference")
+    assert names.index("fp8_inductor") < names.index("fp8_scaled_mm") < names.index("fp8_flashinfer") \
+        < names.index("fp8_emulated") < names.index("reference")
     # flashinfer importable: still below scaled_mm, but runs per-tensor when forced
     q = _query("tensor", "static_tensor", (9, 0))
-    assert registry.select(q).kernel.name == "fp8_scaled_mm"
+    assert registry.select(q).kernel.name == "fp8_inductor"
+    assert registry.select(_query("tensor", "static_tensor", (9, 0), compiler="eager")).kernel.name == "fp8_scaled_mm"
     assert registry.select(q, override="fp8_flashinfer").kernel.name == "fp8_flashinfer"
     with pytest.raises(UnsupportedError, match="needs per-tensor weight and activation scales"):
         registry.select(_query("channel", "dynamic_token", (9, 0)), override="fp8_flashinfer")
@@ -348,7 +361,7 @@ def test_selection_reasons_and_flashinfer(monkeypatch):
     assert fp8.check_emulated(weight_only).endswith("activations are not quantized (weight-only)")
     assert registry.select(weight_only).kernel.name == "reference"
     fp8_89 = registry.select(_query("channel", "dynamic_token", (8, 9)))
-    assert fp8_89.kernel.name == "fp8_scaled_mm"
+    assert fp8_89.kernel.name == "fp8_inductor"
 
 
 # -- GPU: every recipe x backend vs emulated -----------------------------------------------------
