@@ -206,8 +206,8 @@ def test_default_config_rule():
 # -- GPU -------------------------------------------------------------------------------------------
 
 GPU_SHAPES = ((4096, 4096), (1280, 8192))
-GPU_CONFIGS = ({}, dict(use_dot=True, block_n=32, block_k=256), dict(use_dot=False, block_n=8, block_k=512),
-               dict(use_dot=False, block_n=16, block_k=256, split_k=4))
+GPU_CONFIGS = ({}, dict(use_dot=True, block_n=32, block_k=256), dict(use_dot=False, block_n=8, block_k=128),
+               dict(use_dot=False, block_n=4, block_k=128, split_k=4))
 
 
 def gpu_reference(case) -> torch.Tensor:
