@@ -137,7 +137,7 @@ def bandwidth_gbps(device: str) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy = 2 * n / (_time(lambda: dst.copy_(src), 4096, 10, device) * 1e-6) / 1e9
-    del dst
+    dst = None  # free it before the next allocation
     words = src.view(torch.float32).zero_()
     read = n / (_time(lambda: words.sum(), 4096, 10, device) * 1e-6) / 1e9
     return max(copy, read)

@@ -4,7 +4,6 @@ producers' checkpoints, numerics against the eager model, and the cases that mus
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 import torch
