@@ -146,13 +146,18 @@ def _require_cuda(x2, backend):
                                fix="use backend='emulated' off CUDA")
 
 
+def _gemv_rows(x2, spec) -> bool:
+    """Whether ``x2``'s rows run the one-launch small-M kernel (:mod:`fp8_gemv_triton`)."""
+    return x2.shape[0] <= min(GEMV_MAX_M, fg.MAX_M) and fg.reason(spec) is None and fq.use_triton(x2)
+
+
 def _scaled_mm(x2, weight, weight_scale, input_scale, bias, spec, out_dtype):
     _require_cuda(x2, "scaled_mm")
     block = spec.weight.scale.granularity is Granularity.BLOCK
     if spec.act.scale.granularity is Granularity.GROUP and not block:
         raise UnsupportedError(f"backend 'scaled_mm' has no recipe for {spec.key} (group activations need "
                                "block weights)", where=OP, fix="use backend='emulated'")
-    if x2.shape[0] <= min(GEMV_MAX_M, fg.MAX_M) and fg.reason(spec) is None and fq.use_triton(x2):
+    if _gemv_rows(x2, spec):
         return fg.fp8_gemv(x2, weight, weight_scale, input_scale, bias, spec, out_dtype)
     if bias is not None:
         bias = bias.to(out_dtype)
@@ -295,7 +300,11 @@ def _(x, weight, weight_scale, input_scale, bias, scheme):
 
 
 def _decompose(x, weight, weight_scale, input_scale, bias, scheme):
+    """The op as graph ops; rows the one-launch small-M kernel takes stay one op (``fp8_linear``, scaled_mm),
+    which quantizes x itself: nothing is left for inductor to fuse there."""
     lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
+    if _gemv_rows(x.reshape(-1, k), parse_scheme_key(scheme)):
+        return torch.ops.qcompile.fp8_linear(x, weight, weight_scale, input_scale, bias, scheme, "scaled_mm")
     out = _in_graph(x.reshape(-1, k), weight, weight_scale, input_scale, bias, parse_scheme_key(scheme), x.dtype)
     return out.reshape(*lead, n)
 
