@@ -4,17 +4,7 @@ One custom op, three implementations chosen by its ``backend`` argument:
 
 * ``"emulated"`` (any device): the kernel math in fp32, from :mod:`quant_math`: quantize x as the
   scheme says, dequantize x and the weight, fp32 matmul, + bias, cast to x.dtype.
-* ``"scaled_mm"`` (CUDA, sm_89+):
-
-  ==========================================  ==================================================
-  rows, scheme (weight x activation)           kernels
-  ==========================================  ==================================================
-  M <= GEMV_MAX_M, every recipe below          one Triton kernel (:mod:`fp8_gemv_triton`): x
-                                               quantized inside, fp8 products summed in fp32,
-                                               scales and bias applied, one launch
-  ==========================================  ==================================================
-
-  Above GEMV_MAX_M: one activation-quant Triton kernel (:mod:`fp8_quant_triton`), then
+* ``"scaled_mm"`` (CUDA, sm_89+): one activation-quant Triton kernel (:mod:`fp8_quant_triton`), then
 
   ==========================================  ==================================================
   scheme (weight x activation)                 GEMM
@@ -42,7 +32,6 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedError
 from ..scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, canonical_shape, parse_scheme_key
-from . import fp8_gemv_triton as fg
 from . import fp8_quant_triton as fq
 from . import quant_math
 from .reference import register_straight_through
@@ -56,11 +45,6 @@ IN_GRAPH_OP = "qcompile::fp8_linear_in_graph"  # the same math as graph ops for 
 # of RowWise _scaled_mm. H100, N=K=8192, channel x dynamic token end to end (docs/kernels-fp8.md):
 # M=64: 34.2 us (epilogue) vs 36.5 (RowWise); M=96: 35.8 vs 34.3.
 ROWWISE_MIN_M = 96
-
-# Up to this many rows the scaled_mm backend runs fp8_gemv_triton (one launch, x quantized inside) for
-# every recipe it computes; 0 disables it. Its value and the kernel's launch defaults await GPU timings
-# (benchmarks/bench_fp8_gemv.py).
-GEMV_MAX_M = 16
 
 # cuBLASLt (torch 2.11+cu130, H100) answers NOT_SUPPORTED for the 1x128 x 128x128 block recipe
 # unless M is a multiple of 4 (probed M = 1..16, 31, 33, 300..303: only 4, 8, 12, 16, 300 ran):
@@ -146,23 +130,15 @@ def _require_cuda(x2, backend):
                                fix="use backend='emulated' off CUDA")
 
 
-def _gemv_rows(x2, spec) -> bool:
-    """Whether ``x2``'s rows run the one-launch small-M kernel (:mod:`fp8_gemv_triton`)."""
-    return x2.shape[0] <= min(GEMV_MAX_M, fg.MAX_M) and fg.reason(spec) is None and fq.use_triton(x2)
-
-
 def _scaled_mm(x2, weight, weight_scale, input_scale, bias, spec, out_dtype):
     _require_cuda(x2, "scaled_mm")
-    block = spec.weight.scale.granularity is Granularity.BLOCK
-    if spec.act.scale.granularity is Granularity.GROUP and not block:
-        raise UnsupportedError(f"backend 'scaled_mm' has no recipe for {spec.key} (group activations need "
-                               "block weights)", where=OP, fix="use backend='emulated'")
-    if _gemv_rows(x2, spec):
-        return fg.fp8_gemv(x2, weight, weight_scale, input_scale, bias, spec, out_dtype)
     if bias is not None:
         bias = bias.to(out_dtype)
-    if block:
+    if spec.weight.scale.granularity is Granularity.BLOCK:
         return _scaled_mm_block(x2, weight, weight_scale, input_scale, bias, spec, out_dtype)
+    if spec.act.scale.granularity is Granularity.GROUP:
+        raise UnsupportedError(f"backend 'scaled_mm' has no recipe for {spec.key} (group activations need "
+                               "block weights)", where=OP, fix="use backend='emulated'")
     m, n = x2.shape[0], weight.shape[0]
     xq, xs = fq.quantize(x2, spec.act, input_scale)
     wt = weight.t()  # [K, N], column-major: the layout _scaled_mm wants for mat2
@@ -300,11 +276,7 @@ def _(x, weight, weight_scale, input_scale, bias, scheme):
 
 
 def _decompose(x, weight, weight_scale, input_scale, bias, scheme):
-    """The op as graph ops; rows the one-launch small-M kernel takes stay one op (``fp8_linear``, scaled_mm),
-    which quantizes x itself: nothing is left for inductor to fuse there."""
     lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
-    if _gemv_rows(x.reshape(-1, k), parse_scheme_key(scheme)):
-        return torch.ops.qcompile.fp8_linear(x, weight, weight_scale, input_scale, bias, scheme, "scaled_mm")
     out = _in_graph(x.reshape(-1, k), weight, weight_scale, input_scale, bias, parse_scheme_key(scheme), x.dtype)
     return out.reshape(*lead, n)
 
