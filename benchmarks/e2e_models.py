@@ -198,25 +198,34 @@ def prefill_ms(model, compile_fn, device: str, length: int, reps: int) -> float:
 
 def generate_tok_s(model, compile_config, device: str, batch: int, prompt_len: int, new_tokens: int,
                    reps: int) -> dict:
-    """HF ``generate`` with a static cache and ``compile_config``: decode tokens/s (all sequences) from
-    the time of ``new_tokens`` tokens minus the time of one (the prefill and generate's set-up)."""
+    """HF ``generate`` with a static cache and ``compile_config``: decode tokens/s (all sequences) from the
+    time between consecutive tokens. A stopping criterion that never stops stamps the time after each
+    token, the device synchronized (generate synchronizes every step anyway, to check its own criteria);
+    the first stamp follows the prefill, which generate runs uncompiled, so only the gaps after it count.
+    The median gap of ``reps`` calls of ``new_tokens`` tokens."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Stamps(StoppingCriteria):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            sync(device)
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=device)
 
-    def timed(n: int) -> float:
-        sync(device)
-        t0 = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+    def gaps() -> list[float]:
+        stamps = Stamps()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, cache_implementation="static", compile_config=compile_config,
-                       pad_token_id=0)
-        sync(device)
-        return time.perf_counter() - t0
+                       pad_token_id=0, stopping_criteria=StoppingCriteriaList([stamps]))
+        return [b - a for a, b in zip(stamps.times, stamps.times[1:])]
 
-    timed(new_tokens)  # compiles and captures
-    timed(new_tokens)
-    full = statistics.median(timed(new_tokens) for _ in range(reps))
-    first = statistics.median(timed(1) for _ in range(reps))
-    return {"tok_s": batch * (new_tokens - 1) / (full - first),
-            "ms_per_step": 1e3 * (full - first) / (new_tokens - 1)}
+    gaps()  # compiles and captures
+    step = statistics.median(g for _ in range(reps) for g in gaps())
+    return {"tok_s": batch / step, "ms_per_step": 1e3 * step}
 
 
 def compile_config(quantized: bool, cuda: bool, inner: str = "inductor"):

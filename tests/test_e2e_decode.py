@@ -41,8 +41,8 @@ def test_e2e_decode_smoke(tmp_path, capsys, arch):
             d = r[f"decode_b{b}"]
             assert d["tok_s"] > 0 and d["ms_per_step"] > 0 and d["floor_ms_per_step"] > 0, (name, b)
         assert r["weight_bytes"] > 0 and (r["prefill_ms"] > 0 if args["prefill"] else "prefill_ms" not in r)
-        if args["hf_generate"]:  # generate time minus the prefill: CPU noise may even make it negative here
-            assert isinstance(r["hf_generate_b1"]["ms_per_step"], float)
+        if args["hf_generate"]:  # the median time between generated tokens
+            assert r["hf_generate_b1"]["ms_per_step"] > 0
         if name != "bf16":
             assert r["errors"]["compiled_vs_dequantized_bf16"] < 0.2, name
             assert bool(r["kernels"]["by_op"]) == (name != "bf16-qcompile"), name  # nothing quantized there
