@@ -332,9 +332,12 @@ def check_inductor(q: KernelQuery) -> str | None:
     w, a = q.scheme.weight.scale.granularity, q.scheme.act.scale.granularity
     if w is Granularity.BLOCK or a is Granularity.GROUP:
         return f"no block / group recipe (weight {w.value}, activation {a.value})"
+    why = cuda_reason(q, (8, 9)) or (f"N={q.n}, K={q.k} not multiples of 16" if q.n % 16 or q.k % 16 else None)
+    if why:  # the device first: on a CPU that is the reason, whatever the compiler
+        return why
     if q.compiler != "inductor":
         return f"needs inductor as the inner compiler (its graph ops fuse there), have {q.compiler}"
-    return cuda_reason(q, (8, 9)) or (f"N={q.n}, K={q.k} not multiples of 16" if q.n % 16 or q.k % 16 else None)
+    return None
 
 
 def check_flashinfer(q: KernelQuery) -> str | None:

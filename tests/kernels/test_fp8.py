@@ -327,6 +327,8 @@ def test_selection_by_capability(capability, compiler, monkeypatch):
             why = reasons["fp8_scaled_mm"]
             if capability is None:
                 assert why == "needs a CUDA device, have cpu"
+                if weight != "block" and act != "dynamic_group":  # the device is the reason, whatever the compiler
+                    assert reasons["fp8_inductor"] == why
             elif capability == (8, 0):
                 assert why == "needs compute capability >= 8.9, have 8.0"
             elif weight == "block":
