@@ -113,9 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "each quantized layer's scheme, the op and kernel it was lowered to, and why each faster "
                     "kernel was passed over. No generation.")
     _model_arguments(explain)
-    explain.add_argument("--inner", choices=INNER, default="eager",
-                         help="the compiler after qcompile's passes; the table does not depend on it "
-                              "(default: %(default)s, the fastest)")
+    explain.add_argument("--inner", choices=INNER, default=None,
+                         help="the compiler after qcompile's passes (default: inductor on a GPU, as torch.compile "
+                              "uses it: FP8 per-tensor / channel layers run fp8_inductor only there; eager on the "
+                              "CPU, where the table does not depend on it and eager compiles fastest)")
     explain.set_defaults(func=cmd_explain)
 
     bench_parser = sub.add_parser(
@@ -252,7 +253,8 @@ def cmd_explain(args) -> int:
     with _checkpoint(args) as (path, _):
         model = _load(path, args)
     ids = torch.arange(3, 11, device=model.device)[None] % model.config.vocab_size
-    be = _compile_and_call(model, ids, qcompile.backend(inner=args.inner, kernels=_kernels(args)))
+    inner = args.inner or ("inductor" if model.device.type == "cuda" else "eager")
+    be = _compile_and_call(model, ids, qcompile.backend(inner=inner, kernels=_kernels(args)))
     print("\n" + be.explain() + "\n")
     kernels = sorted({r.kernel for r in be.rows})
     weight_only, _ = _activation_modes(be.rows)

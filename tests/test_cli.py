@@ -116,6 +116,16 @@ def test_explain_with_a_kernel_override(capsys):
     assert kernels["model.layers.1.mlp.{gate,up}_proj"] == "fp8_emulated"  # fused: the override names neither
 
 
+def test_explain_compiles_with_eager_on_the_cpu(capsys, monkeypatch):
+    """The default inner compiler: eager on the CPU (the table is the same under every compiler there); on a GPU
+    inductor, which FP8 per-tensor / channel layers need for fp8_inductor."""
+    inners, backend = [], qcompile.backend
+    monkeypatch.setattr(qcompile, "backend", lambda **options: inners.append(options["inner"]) or backend(**options))
+    assert cli.main(["explain", "--format", "modelopt-fp8"]) == 0
+    assert inners == ["eager"]
+    assert "fp8_inductor: needs a CUDA device, have cpu" in capsys.readouterr().out
+
+
 def test_a_compilation_that_reaches_no_quantized_layer_is_an_error(capsys, monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # as if Dynamo fell back to eager
     assert cli.main(["explain", "--format", "ct-fp8-block"]) == cli.EXIT_ERROR
