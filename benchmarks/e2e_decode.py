@@ -14,12 +14,11 @@ safetensors shards and loaded by ``qcompile.load``, so the loader is what runs. 
 another, each freed before the next loads; with ``--interleave`` all are built and their decode steps captured
 first, then the decode rounds alternate between them (order rotated each round). Per model: weight memory;
 decode tokens/s of an own greedy loop (StaticCache, one compiled step per token with its argmax, CUDA graphs, no
-host synchronization between steps) at each
-``--batch``, the median of ``--reps`` rounds and their spread, against the weight-read floor (bytes one step
-reads / the device-to-device copy bandwidth measured in the same run); the compiled prefill of ``--prefill``
-tokens at batch 1 (compiled without CUDA graphs); logits errors on a 32-token probe (compiled vs eager, and vs the dequantized bf16 model);
-with ``--hf-generate``, ``model.generate`` with a static cache and a CompileConfig (qcompile backend, its CUDA
-graphs), decode tokens/s next to the own loop's.
+host synchronization between steps) at each ``--batch``, the median of ``--reps`` rounds and their spread, against
+the weight-read floor (bytes one step reads / the device-to-device copy bandwidth measured in the same run); the
+prefill of ``--prefill`` tokens at batch 1 (compiled without CUDA graphs); logits errors on a 32-token probe
+(compiled vs eager, and vs the dequantized bf16 model); with ``--hf-generate``, ``model.generate`` with a static
+cache and a CompileConfig (qcompile backend, its CUDA graphs), decode tokens/s next to the own loop's.
 """
 
 from __future__ import annotations
@@ -70,7 +69,7 @@ def parse_args(argv=None):
                    help=f"models to run, space- or comma-separated (default llama: {' '.join(DENSE_FORMATS)}; "
                         f"qwen3_moe: {' '.join(MOE_FORMATS)}); any of bf16, {', '.join(ONLINE)}, "
                         "and qcompile.synth's quantized formats; FORMAT@KERNEL runs FORMAT with that kernel override "
-                        "(e.g. modelopt-fp8@fp8_inductor)")
+                        "(e.g. modelopt-fp8@fp8_scaled_mm)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 32 llama, 4 qwen3_moe)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
     p.add_argument("--tokens", type=int, default=64, help="decode steps per timed round")
@@ -78,8 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--interleave", action="store_true",
                    help="build every model and capture its decode steps first, then alternate the decode rounds "
                         "between the models (order rotated each round), so that all figures and speed-ups come from "
-                        "the same conditions; all models must fit in device memory together: meant for the 4-layer "
-                        "--quick and the MoE shapes")
+                        "the same conditions; all models must fit in device memory together (four 32-layer Llama "
+                        "models in 37 GiB of weights fit an 80 GB GPU)")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens before decoding")
     p.add_argument("--prefill", type=int, default=2048, help="prefill length timed at batch 1 (0: skip)")
     p.add_argument("--hf-generate", action="store_true", help="also time model.generate with a CompileConfig")
@@ -267,7 +266,7 @@ def attempt(names: list[str], results: dict, fn, *fn_args, together: int = 1):
                 f"and their captured decode steps at once ({str(e).splitlines()[0][:200]})",
                 where=f"model {names[0]!r}",
                 fix="drop --interleave (the models then run one after another, each freed before the next loads) or "
-                    "pass fewer --formats; --interleave is meant for the 4-layer --quick and the MoE shapes") from e
+                    "pass fewer --formats or --layers") from e
         traceback.print_exc()
         for name in names:
             results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
