@@ -336,7 +336,8 @@ def check_inductor(q: KernelQuery) -> str | None:
     if why:  # the device first: on a CPU that is the reason, whatever the compiler
         return why
     if q.compiler != "inductor":
-        return f"needs inductor as the inner compiler (its graph ops fuse there), have {q.compiler}"
+        return ("needs inductor as the inner compiler (its graph ops fuse there: backend(inner=\"inductor\")), "
+                f"have {q.compiler}")
     return None
 
 

@@ -320,8 +320,8 @@ def test_selection_by_capability(capability, compiler, monkeypatch):
         assert sel.kernel.name == want, (weight, act, sel.kernel.name, sel.reason)
         reasons = dict(sel.rejected)
         if want == "fp8_scaled_mm" and weight != "block":
-            assert reasons["fp8_inductor"] == \
-                "needs inductor as the inner compiler (its graph ops fuse there), have aot_eager"
+            assert reasons["fp8_inductor"] == ('needs inductor as the inner compiler (its graph ops fuse there: '
+                                               'backend(inner="inductor")), have aot_eager')
         if want == "fp8_emulated":
             assert reasons["fp8_flashinfer"] == "flashinfer is not installed"
             why = reasons["fp8_scaled_mm"]
