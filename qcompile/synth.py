@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -34,9 +35,21 @@ FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "modelopt-fp8-pbwo", "ct
 # The quantized formats: what ``qcompile run --format`` offers ("bf16" is the unquantized source that
 # online quantization starts from).
 QUANTIZED_FORMATS = FORMATS[1:]
+# What the writer writes of a MoE model: no format that calibrates a static input scale per expert.
+MOE_FORMATS = ("bf16", "modelopt-fp8", "ct-fp8-dynamic") + synth_4bit.FORMATS
 
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KV_CACHE_OPTIONS = {"modelopt": (None, "fp8"), "ct": (None, "fp8", "fp8-head")}  # by the format's producer
+
+# How a producer family names a MoE block on disk where it departs from transformers' in-memory names
+# (``mlp.experts.E.{gate,up,down}_proj``, router ``mlp.gate``): (model_type, family) -> (the block's name,
+# {projection: its name}). As the producers' Mixtral files show (tests/data/checkpoints/*mixtral*):
+# transformers' save_pretrained and ModelOpt write Mixtral's own ``block_sparse_moe.experts.E.w1 / w3 / w2``
+# and ``block_sparse_moe.gate``, llm-compressor renames the block only. Families: "bf16" (transformers),
+# "modelopt", "ct" (compressed-tensors), "quark"; every other pair keeps the in-memory names.
+MIXTRAL_OWN_NAMES = ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})
+MOE_DISK_NAMES = {("mixtral", "bf16"): MIXTRAL_OWN_NAMES, ("mixtral", "modelopt"): MIXTRAL_OWN_NAMES,
+                  ("mixtral", "ct"): ("block_sparse_moe", {})}
 
 
 def tiny_llama_config(**overrides):
@@ -148,6 +161,30 @@ def disk_state(model) -> dict[str, torch.Tensor]:
     return state
 
 
+def moe_disk_names(model_type: str, fmt: str):
+    """A function from in-memory tensor / module names to the names ``fmt``'s producer writes for a
+    ``model_type`` model (:data:`MOE_DISK_NAMES`); None where they are the same."""
+    naming = MOE_DISK_NAMES.get((model_type, "bf16" if fmt == "bf16" else fmt.partition("-")[0]))
+    if naming is None:
+        return None
+    block, leaves = naming
+    expert = re.compile(r"(\.experts\.\d+\.)(gate_proj|up_proj|down_proj)(?=\.|$)")
+
+    def rename(name: str) -> str:
+        name = re.sub(r"\.mlp(?=\.)", f".{block}", name)
+        return expert.sub(lambda m: m[1] + leaves.get(m[2], m[2]), name)
+    return rename
+
+
+def _renamed(obj, rename):
+    """``obj`` (a quantization config: dicts, lists, strings) with every module name renamed."""
+    if isinstance(obj, dict):
+        return {rename(k): _renamed(v, rename) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_renamed(v, rename) for v in obj]
+    return rename(obj) if isinstance(obj, str) else obj
+
+
 def write_checkpoint(path: str, fmt: str, config=None, seed: int = 0, source: str | None = None,
                      kv_cache: str | None = None) -> str:
     """Write a tiny model in ``fmt`` (one of FORMATS) to ``path``; returns ``path``. ``source``: an
@@ -179,14 +216,14 @@ def write_model(path: str, model, fmt: str, kv_cache: str | None = None, max_sha
     ``save_pretrained``) gets the quantization config added; else the model's config and a tokenizer are
     written. ``max_shard_bytes``: split the tensors into ``model-0000i-of-0000n.safetensors`` files and an
     index, as ``save_pretrained`` does; else one ``model.safetensors``. MoE models (fused experts) are
-    written in bf16, ModelOpt FP8 and the 4-bit formats (each expert's gate and up share one NVFP4 global
-    scale)."""
+    written in bf16, ModelOpt FP8, compressed-tensors FP8_DYNAMIC and the 4-bit formats (each expert's gate
+    and up share one NVFP4 global scale), experts and routers named as ``fmt``'s producer names them
+    (:data:`MOE_DISK_NAMES`)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown synthetic format {fmt!r}; choose from {FORMATS}")
     moe = any(fused_experts(m) for m in model.modules())
-    if moe and fmt not in ("bf16", "modelopt-fp8", *synth_4bit.FORMATS):
-        raise ValueError(f"{fmt!r}: the MoE writer covers bf16, modelopt-fp8 and the 4-bit formats "
-                         f"{synth_4bit.FORMATS}")
+    if moe and fmt not in MOE_FORMATS:
+        raise ValueError(f"{fmt!r}: the MoE writer covers {MOE_FORMATS}")
     qcfg = None
     if fmt == "bf16":
         state = disk_state(model)
@@ -200,6 +237,10 @@ def write_model(path: str, model, fmt: str, kv_cache: str | None = None, max_sha
             qcfg = _quantize_fp8(fmt, state, amax, routers)
         if kv_cache is not None:
             _add_kv_scales(fmt, kv_cache == "fp8-head", model, state, qcfg)
+    rename = moe_disk_names(model.config.model_type, fmt) if moe else None
+    if rename is not None:
+        state = {rename(k): v for k, v in state.items()}
+        qcfg = _renamed(qcfg, rename)
     _save(path, model, state, qcfg, max_shard_bytes)
     return path
 
@@ -307,7 +348,8 @@ def _quantize_fp8(fmt: str, state: dict, amax: dict[str, float], routers: list[s
     """The FP8 formats and compressed-tensors W8A8-INT8 (int8 channel weights, dynamic per-token int8
     activations, as llm-compressor's W8A8 preset), in place on ``state``; returns the configs (see
     ``synth_4bit.quantize_state``). ModelOpt gives an expert's gate and up one weight scale (the max of
-    the two amaxes) and lists the MoE ``routers`` among the excluded modules."""
+    the two amaxes); both producers list the MoE ``routers`` among the ignored modules (ModelOpt after its
+    excludes, llm-compressor before ``lm_head``)."""
     modelopt = fmt.startswith("modelopt")
     gran = {"modelopt-fp8": Granularity.TENSOR, "ct-fp8-static": Granularity.TENSOR,
             "modelopt-fp8-pcpt": Granularity.CHANNEL, "ct-fp8-dynamic": Granularity.CHANNEL,
@@ -345,7 +387,7 @@ def _quantize_fp8(fmt: str, state: dict, amax: dict[str, float], routers: list[s
         if static_act:
             a = torch.tensor(amax[name] / FP8_MAX, dtype=torch.float32)
             state[f"{name}.input_scale"] = a if modelopt else a.reshape(1).to(torch.bfloat16)
-    return _modelopt_configs(fmt, routers) if modelopt else _ct_config(fmt)
+    return _modelopt_configs(fmt, routers) if modelopt else _ct_config(fmt, routers)
 
 
 def _expand(s, gran, shape):
@@ -378,7 +420,7 @@ def _modelopt_configs(fmt: str, routers: list[str] = ()) -> dict:
     return {"config": config, "hf_quant_config": legacy}
 
 
-def _ct_config(fmt: str) -> dict:
+def _ct_config(fmt: str, routers: list[str] = ()) -> dict:
     kind = "int" if fmt == "ct-w8a8-int8" else "float"
 
     def args(strategy, dynamic, **kw):
@@ -396,6 +438,6 @@ def _ct_config(fmt: str) -> dict:
     group = {"format": layout, "input_activations": acts, "output_activations": None,
              "targets": ["Linear"], "weights": weights}
     return {"config": {"config_groups": {"group_0": group}, "format": layout,
-                       "global_compression_ratio": None, "ignore": ["lm_head"], "kv_cache_scheme": None,
+                       "global_compression_ratio": None, "ignore": [*routers, "lm_head"], "kv_cache_scheme": None,
                        "quant_method": "compressed-tensors", "quantization_status": "compressed",
                        "sparsity_config": {}, "transform_config": {}, "version": "0.19.0"}}

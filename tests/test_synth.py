@@ -1,5 +1,6 @@
 """The FP8 writers reproduce the producers' bytes from the same bf16 weights (4-bit: test_synth_4bit.py),
-and write the same bytes from a model in memory on any device as through the checkpoint on disk."""
+MoE experts and routers under each producer's names, and write the same bytes from a model in memory on
+any device as through the checkpoint on disk."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import qcompile
 from qcompile import synth
+from qcompile.experts import QuantExperts
+
+MIXTRAL = "base-bf16-mixtral-tiny"
 
 
 def tensors(path) -> dict[str, torch.Tensor]:
@@ -36,10 +41,17 @@ def assert_same(ours: dict, theirs: dict, skip: str = "\0") -> None:
     ("modelopt-fp8", "base-bf16-dense", "modelopt-fp8-dense"),
     ("ct-fp8-dynamic", "base-bf16-dense", "llmcompressor-fp8-dynamic-dense"),
     ("modelopt-fp8", "base-bf16-moe", "modelopt-fp8-moe"),
+    ("ct-fp8-dynamic", "base-bf16-moe", "llmcompressor-fp8-dynamic-moe"),
     ("ct-nvfp4", "base-bf16-moe", "llmcompressor-nvfp4-moe"),
     ("modelopt-nvfp4", "base-bf16-moe", "modelopt-nvfp4-moe"),
     ("modelopt-w4a16-nvfp4", "base-bf16-qwen3moe-tiny", "modelopt-w4a16-nvfp4-moe"),
-    ("quark-mxfp4", "base-bf16-moe", "quark-w-mxfp4-moe")])
+    ("quark-mxfp4", "base-bf16-moe", "quark-w-mxfp4-moe"),
+    # a Mixtral: ModelOpt writes block_sparse_moe.experts.E.w1 / w3 / w2, llm-compressor gate / up / down_proj
+    # under block_sparse_moe; both ignore the routers as block_sparse_moe.gate (weight-only or dynamic
+    # activations: nothing calibrated, every tensor comparable)
+    ("modelopt-w4a16-nvfp4", MIXTRAL, "modelopt-w4a16-nvfp4-mixtral"),
+    ("ct-w4a16", MIXTRAL, "llmcompressor-w4a16-mixtral"),
+    ("ct-fp8-dynamic", MIXTRAL, "llmcompressor-fp8-dynamic-mixtral")])
 def test_writer_is_byte_identical_to_the_producer(testdata, tmp_path, fmt, source, producer):
     """Same tensors (codes, scales, global scales; MoE: per expert, gate and up sharing a global scale) and
     the same quantization config, routers ignored as the producers list them."""
@@ -61,6 +73,56 @@ def test_moe_expert_scales_follow_modelopt(tmp_path, testdata):
     for proj in ("gate_proj", "up_proj", "down_proj"):
         assert len({t[f"{pre}.{e}.{proj}.input_scale"].item() for e in range(8)}) == 1
     assert t[f"{pre}.0.gate_proj.input_scale"].item() != t[f"{pre}.0.down_proj.input_scale"].item()
+
+
+def test_mixtral_bf16_is_what_transformers_saves(testdata, tmp_path):
+    """bf16 from a Mixtral in memory: the tensors save_pretrained wrote (Mixtral's own names), so that
+    transformers loads its experts back."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(testdata / MIXTRAL), dtype=torch.bfloat16)
+    synth.write_model(str(tmp_path), model, "bf16")
+    assert_same(tensors(tmp_path), tensors(testdata / MIXTRAL))
+
+
+MIXTRAL_OWN, HF = ("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("fmt,naming", [("modelopt-w4a16-nvfp4", MIXTRAL_OWN), ("modelopt-fp8", MIXTRAL_OWN),
+                                        ("ct-w4a16", HF), ("ct-fp8-dynamic", HF)])
+def test_mixtral_producer_names_load_as_the_in_memory_names(testdata, tmp_path, monkeypatch, fmt, naming):
+    """A Mixtral under its producer's names loads into the same QuantExperts (and every other tensor) as
+    under transformers' in-memory names (mlp.experts.E.{gate,up,down}_proj, routers mlp.gate)."""
+    synth.write_checkpoint(str(tmp_path / "producer"), fmt, source=str(testdata / MIXTRAL))
+    monkeypatch.setattr(synth, "MOE_DISK_NAMES", {})
+    synth.write_checkpoint(str(tmp_path / "in-memory"), fmt, source=str(testdata / MIXTRAL))
+    on_disk = {d: set(tensors(tmp_path / d)) for d in ("producer", "in-memory")}
+    assert f"model.layers.1.block_sparse_moe.experts.3.{naming[2]}.weight_scale" in on_disk["producer"]
+    assert "model.layers.1.mlp.experts.3.down_proj.weight_scale" in on_disk["in-memory"]
+    assert not any(".mlp." in k for k in on_disk["producer"])
+    models = {d: qcompile.load(str(tmp_path / d)) for d in on_disk}
+    experts = {d: [m for m in model.modules() if isinstance(m, QuantExperts)] for d, model in models.items()}
+    assert len(experts["producer"]) == 2 and [m.naming for m in experts["producer"]] == [naming] * 2
+    got, want = (dict(models[d].state_dict()) for d in ("producer", "in-memory"))
+    assert set(got) == set(want) and any(".experts." in k for k in got)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def test_moe_disk_names_by_architecture_and_producer():
+    """Only Mixtral departs from the in-memory names, and only for the producers whose files show it."""
+    layer = "model.layers.0.mlp"
+    names = [f"{layer}.experts.2.gate_proj.weight", f"{layer}.experts.2.up_proj.weight_scale",
+             f"{layer}.experts.2.down_proj", f"{layer}.gate", "model.layers.0.self_attn.q_proj.weight", "lm_head"]
+    rename = synth.moe_disk_names("mixtral", "modelopt-nvfp4")
+    block = "model.layers.0.block_sparse_moe"
+    assert [rename(n) for n in names] == [f"{block}.experts.2.w1.weight", f"{block}.experts.2.w3.weight_scale",
+                                          f"{block}.experts.2.w2", f"{block}.gate", *names[4:]]
+    assert synth.moe_disk_names("mixtral", "bf16")(names[0]) == rename(names[0])
+    assert [synth.moe_disk_names("mixtral", "ct-nvfp4")(n) for n in names[:4]] == [
+        n.replace(".mlp.", ".block_sparse_moe.") for n in names[:3]] + ["model.layers.0.block_sparse_moe.gate"]
+    assert synth.moe_disk_names("qwen3_moe", "modelopt-fp8") is None
+    assert synth.moe_disk_names("mixtral", "quark-mxfp4") is None
 
 
 def in_memory_model(device: str, moe: bool = False):
