@@ -10,6 +10,10 @@ nvidia-modelopt 0.47 and llm-compressor 0.14):
   ``quant_method: "modelopt"``; ``lm_head`` and ``model.embed_tokens`` excluded.
 * compressed-tensors: fp8 weights, scales in the model dtype (bf16), per-tensor scales of shape [1],
   channel scales [N, 1], block scales [N/128, K/128]; ``format: float-quantized``; ``lm_head`` ignored.
+* MoE experts per expert, as each producer names them (:data:`MOE_DISK_NAMES`): a Mixtral's
+  ``block_sparse_moe.experts.E.w1 / w3 / w2`` (ModelOpt; bf16 as transformers saves it) or
+  ``block_sparse_moe.experts.E.{gate,up,down}_proj`` (compressed-tensors), the routers ignored as
+  ``block_sparse_moe.gate``; other architectures' ``mlp.experts.E.{gate,up,down}_proj``, routers ``mlp.gate``.
 * 4-bit (ModelOpt NVFP4 / W4A16_NVFP4 / MIXED_PRECISION, compressed-tensors NVFP4 / MXFP4 / int4 and
   int8 pack-quantized, Quark MXFP4): :mod:`qcompile.synth_4bit`.
 """
@@ -141,7 +145,7 @@ def fused_experts(module) -> bool:
 def disk_state(model) -> dict[str, torch.Tensor]:
     """The model's tensors under their on-disk names, where the model is (views, no copies): a tied
     ``lm_head`` left out, fused experts split per expert into ``experts.E.{gate,up,down}_proj.weight`` as
-    ``save_pretrained`` and the producers write them."""
+    ``save_pretrained`` and the producers write a Qwen3-MoE's (:func:`moe_disk_names` renames a Mixtral's)."""
     experts = {name for name, m in model.named_modules() if fused_experts(m)}
     tied = model.config.tie_word_embeddings
     state: dict[str, torch.Tensor] = {}

@@ -89,7 +89,7 @@ MIXTRAL_OWN, HF = ("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")
 
 
 @pytest.mark.parametrize("fmt,naming", [("modelopt-w4a16-nvfp4", MIXTRAL_OWN), ("modelopt-fp8", MIXTRAL_OWN),
-                                        ("ct-w4a16", HF), ("ct-fp8-dynamic", HF)])
+                                        ("modelopt-mixed", MIXTRAL_OWN), ("ct-w4a16", HF), ("ct-fp8-dynamic", HF)])
 def test_mixtral_producer_names_load_as_the_in_memory_names(testdata, tmp_path, monkeypatch, fmt, naming):
     """A Mixtral under its producer's names loads into the same QuantExperts (and every other tensor) as
     under transformers' in-memory names (mlp.experts.E.{gate,up,down}_proj, routers mlp.gate)."""
