@@ -123,15 +123,35 @@ class QCompileBackend:
         from torch._inductor.decomposition import select_decomp_table
 
         from .kernels import fp8
-        patches = dict(self.options.inductor_config)
-        if self.options.cudagraphs:
-            patches["triton.cudagraphs"] = True
+        patches = inductor_patches(self.options, example_inputs)
         # kernels whose op inductor replaces by graph ops (fp8_inductor), so they fuse with their neighbours
         return compile_fx(gm, example_inputs, config_patches=patches,
                           decompositions={**select_decomp_table(), **fp8.DECOMPOSITIONS})
 
     def explain(self) -> str:
         return format_explain(self.rows)
+
+
+def inductor_patches(options: Options, example_inputs) -> dict:
+    """Inductor's config patches for a graph: the user's ``inductor_config``, CUDA graphs on request, and
+    programmatic dependent launch for inductor's Triton kernels on sm_90+ GPUs (each kernel waits for
+    the previous one only before its first dependent read, so its launch overlaps the previous kernel's tail;
+    the weight-only kernel does the same). ``QCOMPILE_PDL=0``, ``TORCHINDUCTOR_ENABLE_PDL`` or an
+    ``inductor_config`` entry ``triton.enable_pdl`` decides instead."""
+    import os
+
+    import torch
+
+    from .kernels.wo_policy import pdl_default
+
+    patches = dict(options.inductor_config)
+    if options.cudagraphs:
+        patches["triton.cudagraphs"] = True
+    if "triton.enable_pdl" not in patches and "TORCHINDUCTOR_ENABLE_PDL" not in os.environ:
+        cuda = [t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+        if cuda and pdl_default(torch.cuda.get_device_capability(cuda[0])):
+            patches["triton.enable_pdl"] = True
+    return patches
 
 
 class _KeptInputs:

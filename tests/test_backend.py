@@ -115,3 +115,32 @@ def test_explain_table_names_module_scheme_op_kernel_and_reason():
     assert "w=fp8_e4m3/block128x128;a=fp8_e4m3/dynamic/group128" in table
     assert "needs a CUDA device" in table  # why the faster kernel was passed over, on this CPU machine
 
+
+
+@pytest.mark.parametrize("capability, env, given, expected", [
+    ((9, 0), {}, {}, True),                                       # Hopper: on
+    ((8, 0), {}, {}, None),                                       # Ampere has no griddepcontrol
+    ((9, 0), {"QCOMPILE_PDL": "0"}, {}, None),                    # qcompile's switch
+    ((9, 0), {"TORCHINDUCTOR_ENABLE_PDL": "0"}, {}, None),        # inductor's own switch decides
+    ((9, 0), {}, {"triton.enable_pdl": False}, False),            # the user's inductor_config decides
+])
+def test_inductor_kernels_use_pdl_on_sm90(monkeypatch, capability, env, given, expected):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qcompile.backend import Options, inductor_patches
+    for name in ("QCOMPILE_PDL", "TORCHINDUCTOR_ENABLE_PDL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    with FakeTensorMode():
+        x = torch.empty(2, 8, device="cuda")
+    opts = Options.make({"inductor_config": given, "cudagraphs": True})
+    patches = inductor_patches(opts, [x, 3])
+    assert patches.get("triton.enable_pdl") is expected
+    assert patches["triton.cudagraphs"] is True
+
+
+def test_inductor_patches_leave_cpu_graphs_alone():
+    from qcompile.backend import Options, inductor_patches
+    assert inductor_patches(Options(), [torch.empty(2, 8)]) == {}
