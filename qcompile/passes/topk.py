@@ -1,0 +1,90 @@
+"""The top-k pass: a router's small top-k as ``k`` selection steps that inductor fuses into one kernel.
+
+A Mixture-of-Experts router picks ``k`` of ``E`` experts per token with ``torch.topk`` (``k`` of 2..8, ``E`` of
+8..256). Inductor has no lowering for ``topk``: it calls ATen's, two kernels on CUDA (a radix select, then a
+sort of the ``k`` winners) that cost several microseconds each however small the row, every MoE layer, every
+decode step. This pass writes it as ``k`` steps of "the largest value not yet picked, at its lowest index",
+
+    m = max(where(picked, -inf, x));  i = min(position where x == m and not picked);  picked |= position == i
+
+then gathers the values at the picked indices. Inductor fuses the whole chain, and usually the softmax before
+it, into one kernel per router. The result is ``torch.topk``'s, sorted (largest first), with equal values in
+ascending index order (where ``topk`` leaves their order unspecified) and NaN ranked above every number, as
+``topk`` ranks it. It applies to floating-point ``topk`` over the last dimension with ``largest=True``, static
+shapes, ``k <= MAX_K`` and ``E <= MAX_E``, on CUDA graphs compiled by inductor; anything else is left alone.
+``backend(small_topk=False)`` turns the pass off.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx
+
+from .lowering import example
+
+log = logging.getLogger("qcompile")
+
+MAX_K = 16  # k selection steps (two reductions each) in one kernel
+MAX_E = 1024  # a row inductor keeps in registers (a persistent reduction)
+NAMES = ("input", "k", "dim", "largest", "sorted")
+
+
+def topk_by_selection(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x, k, dim=-1)`` of a floating-point ``x`` in ``k`` selection steps (see the module doc)."""
+    e = x.shape[-1]
+    pos = torch.arange(e, device=x.device)
+    key = torch.where(torch.isnan(x), torch.inf, x)  # topk ranks NaN above every number
+    picked = torch.zeros_like(x, dtype=torch.bool)
+    ids = []
+    for _ in range(k):
+        masked = torch.where(picked, -torch.inf, key)
+        best = masked.amax(-1, keepdim=True)
+        i = torch.where((masked == best) & ~picked, pos, e).amin(-1, keepdim=True)
+        picked = picked | (pos == i)
+        ids.append(i)
+    ids = torch.cat(ids, -1)
+    return x.gather(-1, ids), ids
+
+
+def _rewritable(node: fx.Node, devices: tuple[str, ...]) -> tuple[fx.Node, int] | None:
+    """(input, k) when ``node`` is a top-k this pass runs (see the module doc)."""
+    if node.op == "call_function" and node.target is torch.topk:
+        args = dict(zip(NAMES, node.args), **node.kwargs)
+    elif node.op == "call_method" and node.target == "topk":
+        args = dict(zip(NAMES, node.args), **node.kwargs)
+    else:
+        return None
+    x, k = example(args.get("input")), args.get("k")
+    if not isinstance(x, torch.Tensor) or not isinstance(k, int) or x.device.type not in devices:
+        return None
+    if not x.dtype.is_floating_point or x.dim() == 0 or not args.get("largest", True):
+        return None
+    if args.get("dim", -1) not in (-1, x.dim() - 1):
+        return None
+    e = x.shape[-1]
+    if not isinstance(e, int) or not 1 <= k <= min(MAX_K, e) or e > MAX_E:  # dynamic sizes: left alone
+        return None
+    return args["input"], k
+
+
+def rewrite_small_topk(gm: fx.GraphModule, example_inputs=None, devices: tuple[str, ...] = ("cuda",)) -> list:
+    """Rewrite every small top-k of ``gm`` on ``devices`` in place (see the module doc). Returns no explain
+    rows (the table lists quantized layers); logs how many it rewrote."""
+    graph, count = gm.graph, 0
+    for node in list(graph.nodes):
+        found = _rewritable(node, devices)
+        if found is None:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(topk_by_selection, found)
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+        log.info("qcompile: %d small top-k call(s) run as selection steps inductor fuses", count)
+    return []

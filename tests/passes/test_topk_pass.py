@@ -1,0 +1,185 @@
+"""The top-k pass: selection steps equal torch.topk (ties, NaN, -inf, dtypes), the graph rewrite (expecttest),
+what it leaves alone, and the backend running it under inductor only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+import qcompile
+from qcompile.passes.topk import MAX_E, MAX_K, rewrite_small_topk, topk_by_selection
+
+
+def check_topk(x: torch.Tensor, k: int):
+    """Equal to torch.topk: the same values in the same (descending) order, and indices that hold them,
+    distinct per row; on ties the lowest indices first."""
+    vals, ids = topk_by_selection(x, k)
+    want, _ = torch.topk(x, k, dim=-1)
+    torch.testing.assert_close(vals, want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(x.gather(-1, ids), vals, rtol=0, atol=0, equal_nan=True)
+    assert ids.dtype == torch.int64 and (ids.sort(-1).values.diff(dim=-1) > 0).all(), "distinct indices"
+    return vals, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, k", [((1, 128), 8), ((5, 8), 2), ((3, 2, 32), 4), ((7, 256), 16), ((4, 6), 6)])
+def test_selection_equals_topk(dtype, shape, k):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(shape, generator=g).to(dtype)
+    check_topk(x, k)
+    check_topk(x.softmax(-1), k)
+
+
+def test_ties_take_the_lowest_index_first():
+    x = torch.tensor([[0.5, 1.0, 0.5, 1.0, 0.2, 0.5]])
+    vals, ids = check_topk(x, 4)
+    assert ids.tolist() == [[1, 3, 0, 2]] and vals.tolist() == [[1.0, 1.0, 0.5, 0.5]]
+
+
+def test_nan_and_infinities():
+    """NaN ranks above every number (as topk ranks it); rows of -inf still give k distinct indices."""
+    x = torch.tensor([[0.1, float("nan"), float("inf"), -1.0, float("-inf")],
+                      [float("-inf")] * 5,
+                      [float("nan"), 2.0, float("nan"), float("-inf"), 3.0]])
+    vals, ids = check_topk(x, 4)
+    assert ids.tolist() == [[1, 2, 0, 3], [0, 1, 2, 3], [0, 2, 4, 1]]
+
+
+def test_gradients_equal_topk():
+    x = torch.randn(3, 16, requires_grad=True)
+    w = torch.randn(3, 4)
+    (topk_by_selection(x, 4)[0] * w).sum().backward()
+    got, x.grad = x.grad, None
+    (torch.topk(x, 4)[0] * w).sum().backward()
+    torch.testing.assert_close(got, x.grad, rtol=0, atol=0)
+
+
+# -- the graph rewrite --------------------------------------------------------------------------------------
+
+def router(x, w):
+    """A Qwen3-MoE / Mixtral router: linear, softmax, top-k, renormalized."""
+    probs = torch.nn.functional.linear(x, w).softmax(-1, dtype=torch.float)
+    top, ids = torch.topk(probs, 2, dim=-1)
+    return top / top.sum(-1, keepdim=True), ids
+
+
+def method_topk(x):
+    return x.topk(3)[1] + x.topk(2, dim=-1, sorted=False)[1].sum()
+
+
+def dynamo_graph(fn, *args, dynamic=False):
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=capture, fullgraph=True, dynamic=dynamic)(*args)
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def rewritten(fn, *args, dynamic=False):
+    gm = dynamo_graph(fn, *args, dynamic=dynamic)
+    before = gm.code
+    rewrite_small_topk(gm, args, devices=("cpu",))
+    return gm, before, gm.code
+
+
+def body(code: str) -> str:
+    return "\n".join(line.strip() for line in code.strip().splitlines()[1:] if line.strip())
+
+
+def test_router_graph():
+    x, w = torch.randn(5, 16), torch.randn(8, 16)
+    gm, before, after = rewritten(router, x, w)
+    assert_expected_inline(body(after), """\
+l_x_ = L_x_
+l_w_ = L_w_
+linear = torch._C._nn.linear(l_x_, l_w_);  l_x_ = l_w_ = None
+probs = linear.softmax(-1, dtype = torch.float32);  linear = None
+topk_by_selection = qcompile_passes_topk_topk_by_selection(probs, 2);  probs = None
+top = topk_by_selection[0]
+ids = topk_by_selection[1];  topk_by_selection = None
+sum_1 = top.sum(-1, keepdim = True)
+truediv = top / sum_1;  top = sum_1 = None
+return (truediv, ids)""")
+    for got, want in zip(gm(x, w), router(x, w)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_method_calls_are_rewritten():
+    x = torch.randn(4, 10)
+    gm, before, after = rewritten(method_topk, x)
+    assert before.count(".topk(") == 2 and "topk(" not in after.replace("topk_by_selection(", "")
+    torch.testing.assert_close(gm(x)[0], method_topk(x))
+
+
+LEFT_ALONE = {
+    "smallest": (lambda x: torch.topk(x, 2, largest=False), torch.randn(3, 8)),
+    "not-the-last-dim": (lambda x: torch.topk(x, 2, dim=0), torch.randn(3, 8)),
+    "integers": (lambda x: torch.topk(x, 2), torch.arange(24).reshape(3, 8)),
+    "k-too-large": (lambda x: torch.topk(x, MAX_K + 1), torch.randn(2, 64)),
+    "row-too-long": (lambda x: torch.topk(x, 2), torch.randn(2, MAX_E + 1)),
+}
+
+
+@pytest.mark.parametrize("case", LEFT_ALONE)
+def test_left_alone(case):
+    fn, x = LEFT_ALONE[case]
+    _, before, after = rewritten(fn, x)
+    assert "topk" in before and before == after
+
+
+def test_dynamic_row_length_is_left_alone():
+    _, before, after = rewritten(lambda x: torch.topk(x, 2), torch.randn(3, 8), dynamic=True)
+    assert before == after
+
+
+def test_backend_runs_the_pass_under_inductor_only():
+    assert any(p is rewrite_small_topk for p in qcompile.backend(inner="inductor").passes())
+    assert not any(p is rewrite_small_topk for p in qcompile.backend(inner="inductor", small_topk=False).passes())
+    assert not any(p is rewrite_small_topk for p in qcompile.backend(inner="aot_eager").passes())
+
+
+def test_cpu_graphs_are_left_alone_by_the_backend():
+    """The backend rewrites CUDA graphs only (where the fused kernel was measured faster than ATen's)."""
+    gm = dynamo_graph(router, torch.randn(5, 16), torch.randn(8, 16))
+    before = gm.code
+    rewrite_small_topk(gm, None)
+    assert gm.code == before
+
+
+# inductor's softmax (its own exp) and ATen's round apart by a few fp32 ulps
+GPU_TOL = {"rtol": 2e-6, "atol": 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e, k", [(8, 2), (128, 8), (256, 16)])
+@pytest.mark.parametrize("tokens", [1, 37, 2048])
+def test_gpu_inductor_kernel_equals_topk(e, k, tokens):
+    """Compiled by qcompile under inductor on the GPU (rewritten, fused): the values of ATen's top-k, and
+    indices that hold them; a CUDA graph of the compiled call replays on new logits."""
+    from tests.gpu_util import graph_replay
+
+    graphs = []
+    be = qcompile.backend(inner="inductor", on_graph=lambda before, after: graphs.append(after))
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: router_probs(x, k), backend=be, fullgraph=True, dynamic=False)
+    x = torch.randn(tokens, e, device="cuda", dtype=torch.bfloat16)
+    x[0, :4] = x[0, 4]  # ties
+    values, ids = fn(x)
+    assert "topk_by_selection" in graphs[0] and "topk(" not in graphs[0].replace("topk_by_selection(", "")
+    want, _ = router_probs(x, k)
+    torch.testing.assert_close(values, want, **GPU_TOL)
+    torch.testing.assert_close(x.softmax(-1, dtype=torch.float).gather(-1, ids), want, **GPU_TOL)
+    assert (ids.sort(-1).values.diff(dim=-1) > 0).all()
+    fresh = torch.randn_like(x)
+    (values, ids), graph = graph_replay(lambda: fn(x), lambda: x.copy_(fresh))
+    torch.testing.assert_close(values, router_probs(fresh, k)[0], **GPU_TOL)
+
+
+def router_probs(x, k):
+    return torch.topk(x.softmax(-1, dtype=torch.float), k, dim=-1)
