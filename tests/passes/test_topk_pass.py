@@ -68,24 +68,21 @@ def method_topk(x):
     return x.topk(3)[1] + x.topk(2, dim=-1, sorted=False)[1].sum()
 
 
-def dynamo_graph(fn, *args, dynamic=False):
+def rewritten(fn, *args, dynamic=False, devices=("cpu",)):
+    """(output, graph code before the pass, after) of ``fn(*args)`` compiled as one Dynamo graph, the pass
+    rewriting top-k on ``devices``, the graph run as it is (no inner compiler)."""
     torch._dynamo.reset()
     graphs = []
 
-    def capture(gm, example_inputs):
-        graphs.append(gm)
+    def backend(gm, example_inputs):
+        before = gm.code
+        rewrite_small_topk(gm, example_inputs, devices=devices)
+        graphs.append((before, gm.code))
         return gm.forward
 
-    torch.compile(fn, backend=capture, fullgraph=True, dynamic=dynamic)(*args)
+    out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args)
     assert len(graphs) == 1
-    return graphs[0]
-
-
-def rewritten(fn, *args, dynamic=False):
-    gm = dynamo_graph(fn, *args, dynamic=dynamic)
-    before = gm.code
-    rewrite_small_topk(gm, args, devices=("cpu",))
-    return gm, before, gm.code
+    return (out, *graphs[0])
 
 
 def body(code: str) -> str:
@@ -94,7 +91,7 @@ def body(code: str) -> str:
 
 def test_router_graph():
     x, w = torch.randn(5, 16), torch.randn(8, 16)
-    gm, before, after = rewritten(router, x, w)
+    out, before, after = rewritten(router, x, w)
     assert_expected_inline(body(after), """\
 l_x_ = L_x_
 l_w_ = L_w_
@@ -106,15 +103,15 @@ ids = topk_by_selection[1];  topk_by_selection = None
 sum_1 = top.sum(-1, keepdim = True)
 truediv = top / sum_1;  top = sum_1 = None
 return (truediv, ids)""")
-    for got, want in zip(gm(x, w), router(x, w)):
+    for got, want in zip(out, router(x, w)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_method_calls_are_rewritten():
     x = torch.randn(4, 10)
-    gm, before, after = rewritten(method_topk, x)
+    out, before, after = rewritten(method_topk, x)
     assert before.count(".topk(") == 2 and "topk(" not in after.replace("topk_by_selection(", "")
-    torch.testing.assert_close(gm(x)[0], method_topk(x))
+    torch.testing.assert_close(out, method_topk(x))
 
 
 LEFT_ALONE = {
@@ -144,12 +141,10 @@ def test_backend_runs_the_pass_under_inductor_only():
     assert not any(p is rewrite_small_topk for p in qcompile.backend(inner="aot_eager").passes())
 
 
-def test_cpu_graphs_are_left_alone_by_the_backend():
-    """The backend rewrites CUDA graphs only (where the fused kernel was measured faster than ATen's)."""
-    gm = dynamo_graph(router, torch.randn(5, 16), torch.randn(8, 16))
-    before = gm.code
-    rewrite_small_topk(gm, None)
-    assert gm.code == before
+def test_cpu_graphs_are_left_alone_by_default():
+    """By default the pass rewrites CUDA graphs only (where the fused kernel was measured faster than ATen's)."""
+    _, before, after = rewritten(router, torch.randn(5, 16), torch.randn(8, 16), devices=("cuda",))
+    assert "torch.topk" in before and after == before
 
 
 # inductor's softmax (its own exp) and ATen's round apart by a few fp32 ulps
@@ -183,3 +178,50 @@ def test_gpu_inductor_kernel_equals_topk(e, k, tokens):
 
 def router_probs(x, k):
     return torch.topk(x.softmax(-1, dtype=torch.float), k, dim=-1)
+
+
+# -- transformers' routers, as the installed transformers writes them ----------------------------------------
+
+def _router(arch: str):
+    """(router module of a tiny ``arch`` config with random weights, top-k calls in its forward)."""
+    import transformers.models.deepseek_v3.modeling_deepseek_v3 as dsv3
+    import transformers.models.gpt_oss.modeling_gpt_oss as oss
+    import transformers.models.mixtral.modeling_mixtral as mixtral
+    import transformers.models.olmoe.modeling_olmoe as olmoe
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as qwen3
+    from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+    tiny = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    router, config, calls = {
+        "qwen3_moe": (qwen3.Qwen3MoeTopKRouter, Qwen3MoeConfig(num_experts=16, num_experts_per_tok=4,
+                                                              norm_topk_prob=True, **tiny), 1),
+        "mixtral": (mixtral.MixtralTopKRouter, MixtralConfig(num_local_experts=8, num_experts_per_tok=2, **tiny), 1),
+        "olmoe": (olmoe.OlmoeTopKRouter, OlmoeConfig(num_experts=16, num_experts_per_tok=4, **tiny), 1),
+        "gpt_oss": (oss.GptOssTopKRouter, GptOssConfig(num_local_experts=8, num_experts_per_tok=4, **tiny), 1),
+        "deepseek_v3": (dsv3.DeepseekV3TopkRouter, DeepseekV3Config(n_routed_experts=16, num_experts_per_tok=4,
+                                                                    n_group=4, topk_group=2, **tiny), 3),
+    }[arch]
+    torch.manual_seed(0)
+    module = router(config)
+    with torch.no_grad():
+        for p in list(module.parameters()) + list(module.buffers()):
+            p.normal_()
+    return module, calls
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3"])
+def test_transformers_routers_are_rewritten_exactly(arch):
+    module, calls = _router(arch)
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        out, before, after = rewritten(module, x)
+        want = module(x)
+    assert after.count("topk_by_selection(") == calls, before
+    assert "topk(" not in after.replace("topk_by_selection(", "")
+    (logits, weights, ids), (want_logits, want_weights, want_ids) = out, want
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=0)
+    # DeepSeek-V3 asks for sorted=False: the same experts and weights in any order, the weights normalized by a
+    # sum taken in that order (1 fp32 ulp apart)
+    order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+    torch.testing.assert_close(ids.gather(-1, order), want_ids.gather(-1, want_order), rtol=0, atol=0)
+    torch.testing.assert_close(weights.gather(-1, order), want_weights.gather(-1, want_order), rtol=2.5e-7, atol=0)
