@@ -3,9 +3,10 @@ them, compiled by plain ``torch.compile`` (ATen's top-k) and by qcompile (the to
 
     python benchmarks/bench_router.py [--experts 8:2 32:4 128:8 256:8] [--tokens 1 16 256 4096] [--json out.json]
 
-µs per call, median of CUDA-graph replays of 20 back-to-back calls on fp32 router logits [T, E] (the router's
-linear itself is not timed: it is the same cuBLAS call either way). Each cell also checks that both compiled
-routers return the same weights (to an fp32 ulp) and indices that hold the same probabilities.
+µs per call, median of CUDA-graph replays of 20 back-to-back calls on bf16 router logits [T, E] (softmax in fp32,
+bf16 weights out; the router's linear itself is not timed: it is the same cuBLAS call either way). qcompile's
+side also has what its backend adds on sm_90+: PDL for inductor's kernels. Each cell also checks that both
+compiled routers return the same weights (to a bf16 ulp) and indices that hold the same probabilities.
 """
 
 from __future__ import annotations

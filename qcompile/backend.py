@@ -140,18 +140,21 @@ def inductor_patches(options: Options, example_inputs) -> dict:
     """Inductor's config patches for a graph: the user's ``inductor_config``, CUDA graphs on request, and
     programmatic dependent launch for inductor's Triton kernels on sm_90+ GPUs (each kernel waits for
     the previous one only before its first dependent read, so its launch overlaps the previous kernel's tail;
-    the weight-only kernel does the same). ``QCOMPILE_PDL=0``, ``TORCHINDUCTOR_ENABLE_PDL`` or an
-    ``inductor_config`` entry ``triton.enable_pdl`` decides instead."""
+    the weight-only kernel does the same). ``QCOMPILE_PDL=0``, ``TORCHINDUCTOR_ENABLE_PDL``, an
+    ``inductor_config`` entry ``triton.enable_pdl`` or inductor's config set by the caller decides instead."""
     import os
 
     import torch
+    import torch._inductor.config as inductor_config
 
     from .kernels.wo_policy import pdl_default
 
     patches = dict(options.inductor_config)
     if options.cudagraphs:
         patches["triton.cudagraphs"] = True
-    if "triton.enable_pdl" not in patches and "TORCHINDUCTOR_ENABLE_PDL" not in os.environ:
+    user_set = ("triton.enable_pdl" in patches or "TORCHINDUCTOR_ENABLE_PDL" in os.environ
+                or not inductor_config._is_default("triton.enable_pdl"))
+    if not user_set:
         cuda = [t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
         if cuda and pdl_default(torch.cuda.get_device_capability(cuda[0])):
             patches["triton.enable_pdl"] = True

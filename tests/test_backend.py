@@ -141,6 +141,20 @@ def test_inductor_kernels_use_pdl_on_sm90(monkeypatch, capability, env, given, e
     assert patches["triton.cudagraphs"] is True
 
 
+def test_inductor_config_set_by_the_caller_decides_pdl(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qcompile.backend import Options, inductor_patches
+    monkeypatch.delenv("QCOMPILE_PDL", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with FakeTensorMode():
+        x = torch.empty(2, 8, device="cuda")
+    assert inductor_patches(Options(), [x]) == {"triton.enable_pdl": True}
+    with torch._inductor.config.patch({"triton.enable_pdl": False}):
+        assert inductor_patches(Options(), [x]) == {}
+
+
 def test_inductor_patches_leave_cpu_graphs_alone():
     from qcompile.backend import Options, inductor_patches
     assert inductor_patches(Options(), [torch.empty(2, 8)]) == {}

@@ -9,9 +9,10 @@ decode step. This pass writes it as ``k`` steps of "the largest value not yet pi
 
 then gathers the values at the picked indices. Inductor fuses the whole chain, and usually the softmax before
 it, into one kernel per router. The result is ``torch.topk``'s, sorted (largest first), with equal values in
-ascending index order (where ``topk`` leaves their order unspecified) and NaN ranked above every number, as
-``topk`` ranks it. It applies to floating-point ``topk`` over the last dimension with ``largest=True``, static
-shapes, ``k <= MAX_K`` and ``E <= MAX_E``, on CUDA graphs compiled by inductor; anything else is left alone.
+ascending index order (where ``topk`` leaves their order unspecified) and NaN ranked above every number (+inf
+too), as ``topk`` ranks it. It applies to floating-point ``topk`` over the last dimension with ``largest=True``, no
+``out=``, a static last dimension ``E <= MAX_E`` and ``k <= MAX_K``, on CUDA graphs compiled by inductor; anything
+else is left alone.
 ``backend(small_topk=False)`` turns the pass off.
 """
 
@@ -35,15 +36,17 @@ def topk_by_selection(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     """``torch.topk(x, k, dim=-1)`` of a floating-point ``x`` in ``k`` selection steps (see the module doc)."""
     e = x.shape[-1]
     pos = torch.arange(e, device=x.device)
-    key = torch.where(torch.isnan(x), torch.inf, x)  # topk ranks NaN above every number
+    nan = torch.isnan(x)
+    key = torch.where(nan, torch.inf, x)  # topk ranks NaN above every number, +inf included:
+    order = torch.where(nan, pos - e, pos)  # among equal keys, NaN first, then the lowest index
     picked = torch.zeros_like(x, dtype=torch.bool)
     ids = []
     for _ in range(k):
         masked = torch.where(picked, -torch.inf, key)
         best = masked.amax(-1, keepdim=True)
-        i = torch.where((masked == best) & ~picked, pos, e).amin(-1, keepdim=True)
-        picked = picked | (pos == i)
-        ids.append(i)
+        first = torch.where((masked == best) & ~picked, order, e).amin(-1, keepdim=True)
+        picked = picked | (order == first)
+        ids.append(torch.where(first < 0, first + e, first))
     ids = torch.cat(ids, -1)
     return x.gather(-1, ids), ids
 
@@ -57,14 +60,14 @@ def _rewritable(node: fx.Node, devices: tuple[str, ...]) -> tuple[fx.Node, int] 
     else:
         return None
     x, k = example(args.get("input")), args.get("k")
-    if not isinstance(x, torch.Tensor) or not isinstance(k, int) or x.device.type not in devices:
+    if "out" in args or not isinstance(x, torch.Tensor) or not isinstance(k, int) or x.device.type not in devices:
         return None
     if not x.dtype.is_floating_point or x.dim() == 0 or not args.get("largest", True):
         return None
     if args.get("dim", -1) not in (-1, x.dim() - 1):
         return None
     e = x.shape[-1]
-    if not isinstance(e, int) or not 1 <= k <= min(MAX_K, e) or e > MAX_E:  # dynamic sizes: left alone
+    if not isinstance(e, int) or not 1 <= k <= min(MAX_K, e) or e > MAX_E:  # a dynamic E: left alone
         return None
     return args["input"], k
 

@@ -44,6 +44,17 @@ def test_nan_and_infinities():
                       [float("nan"), 2.0, float("nan"), float("-inf"), 3.0]])
     vals, ids = check_topk(x, 4)
     assert ids.tolist() == [[1, 2, 0, 3], [0, 1, 2, 3], [0, 2, 4, 1]]
+    # NaN above +inf wherever it stands
+    assert check_topk(torch.tensor([[float("inf"), float("nan"), 0.0]]), 2)[1].tolist() == [[1, 0]]
+
+
+def test_random_mixes_of_nan_and_infinities():
+    g = torch.Generator().manual_seed(0)
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, 1.0, -1.0])
+    for _ in range(200):
+        x = specials[torch.randint(0, 6, (3, 7), generator=g)]
+        for k in (1, 3, 7):
+            check_topk(x, k)
 
 
 def test_gradients_equal_topk():
@@ -120,6 +131,9 @@ LEFT_ALONE = {
     "integers": (lambda x: torch.topk(x, 2), torch.arange(24).reshape(3, 8)),
     "k-too-large": (lambda x: torch.topk(x, MAX_K + 1), torch.randn(2, 64)),
     "row-too-long": (lambda x: torch.topk(x, 2), torch.randn(2, MAX_E + 1)),
+    "smallest-method": (lambda x: x.topk(2, largest=False), torch.randn(3, 8)),
+    "out": (lambda x: torch.topk(x, 2, out=(torch.empty(3, 2), torch.empty(3, 2, dtype=torch.long))),
+            torch.randn(3, 8)),
 }
 
 
@@ -132,7 +146,31 @@ def test_left_alone(case):
 
 def test_dynamic_row_length_is_left_alone():
     _, before, after = rewritten(lambda x: torch.topk(x, 2), torch.randn(3, 8), dynamic=True)
-    assert before == after
+    assert "torch.topk" in before and before == after
+
+
+def test_dynamic_token_count_is_rewritten():
+    """A router over a dynamic number of tokens and a static number of experts is rewritten."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        rewrite_small_topk(gm, example_inputs, devices=("cpu",))
+        graphs.append(gm.code)
+        return gm.forward
+
+    fn = torch.compile(lambda x: torch.topk(x, 2), backend=backend, fullgraph=True)
+    x = torch.randn(6, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    for t in (6, 9, 1):
+        y = x if t == 6 else torch.randn(t, 8)
+        for got, want in zip(fn(y), torch.topk(y, 2)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # one graph for T = 6 and 9 (dynamo compiles T = 1 on its own: it specializes sizes 0 and 1)
+    assert len(graphs) == 4 and "SymInt" in graphs[0]
+    assert all("torch.topk" in before and "topk_by_selection" in after
+               for before, after in zip(graphs[::2], graphs[1::2]))
 
 
 def test_backend_runs_the_pass_under_inductor_only():
