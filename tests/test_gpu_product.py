@@ -1,5 +1,6 @@
 """On a CUDA GPU, the paths around the kernels: gradients through the GPU kernels (tiled wo_mma weights,
-FP8 scaled_mm), compile-time online FP8 under inductor with CUDA graphs, save_pretrained after a GPU
+FP8 scaled_mm), compile-time online FP8 under inductor with CUDA graphs, inductor's kernels with programmatic
+dependent launch chained to ours (bit-identical to PDL off), save_pretrained after a GPU
 load (tiled weights written back untiled), HF generate compiling with qcompile, and the FP8 KV cache
 in generate's compiled decode."""
 
@@ -68,6 +69,27 @@ def test_online_fp8_at_compile_time_with_cuda_graphs(online, testdata):
     assert {r.kernel for r in be.rows if r.scheme != "bf16"} == {want}, be.explain()
     assert torch.equal(first, again)
     assert rel(first, ref) < 0.15  # FP8 weights and activations vs bf16, as in test_gpu_e2e
+
+
+@pytest.mark.parametrize("fmt", ["ct-w4a16", "modelopt-fp8", "llmcompressor-w4a16-gptq-moe", "modelopt-fp8-moe"])
+def test_pdl_chains_are_bit_identical_to_serial_launches(fmt, synth_ckpt, testdata):
+    """With PDL a kernel may start before the previous one ends and waits only before its first dependent read:
+    a wait placed wrongly reads a half-written buffer. The compiled model (wo_mma / cuBLAS / wo_moe between
+    inductor's kernels, the MoE routers' fused top-k, CUDA graphs replayed on other inputs) gives the same bits
+    with PDL on and off."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    path = testdata / fmt if fmt.endswith("-moe") else synth_ckpt(fmt)
+    model = qcompile.load(str(path), device="cuda")
+    outs = {}
+    for pdl in (False, True):
+        torch._dynamo.reset()
+        be = qcompile.backend(cudagraphs=True, inductor_config={"triton.enable_pdl": pdl})
+        compiled = torch.compile(model, backend=be)
+        with torch.no_grad():
+            outs[pdl] = [compiled(IDS.cuda().roll(i, -1)).logits.clone() for i in range(4)]
+    for off, on in zip(outs[False], outs[True]):
+        assert torch.equal(off, on)
 
 
 @pytest.mark.parametrize("fmt", ["ct-w4a16", "ct-w8a16", "modelopt-nvfp4", "quark-mxfp4"])
