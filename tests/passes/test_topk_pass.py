@@ -263,3 +263,25 @@ def test_transformers_routers_are_rewritten_exactly(arch):
     order, want_order = ids.argsort(-1), want_ids.argsort(-1)
     torch.testing.assert_close(ids.gather(-1, order), want_ids.gather(-1, want_order), rtol=0, atol=0)
     torch.testing.assert_close(weights.gather(-1, order), want_weights.gather(-1, want_order), rtol=2.5e-7, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_inductor_lowers_the_selection_steps(arch):
+    """Inductor (here its CPU code generation) compiles the rewritten routers and returns eager's experts."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        rewrite_small_topk(gm, example_inputs, devices=("cpu",))
+        assert "topk_by_selection" in gm.code
+        return compile_fx(gm, example_inputs)
+
+    module, _ = _router(arch)
+    x = torch.randn(5, 32)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits, weights, ids = torch.compile(module, backend=backend, fullgraph=True)(x)
+        want_logits, want_weights, want_ids = module(x)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-6, atol=1e-6)  # inductor's own linear / sigmoid
+    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
+    order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+    torch.testing.assert_close(weights.gather(-1, order), want_weights.gather(-1, want_order), rtol=1e-6, atol=0)
