@@ -18,16 +18,13 @@ token) is left to SDPA's own kernels. ``backend(gqa_decode=False)`` turns the pa
 
 from __future__ import annotations
 
-import logging
 import operator
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 
-from .lowering import example
-
-log = logging.getLogger("qcompile")
+from .lowering import example, finish_rewrites
 
 SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 _FULL = slice(None)
@@ -97,8 +94,4 @@ def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
             if not dead.users:
                 graph.erase_node(dead)
         count += 1
-    if count:
-        graph.lint()
-        gm.recompile()
-        log.info("qcompile: %d one-token grouped-query attention call(s) read their key / value heads once", count)
-    return []
+    return finish_rewrites(gm, count, "one-token grouped-query attention call(s) read their key / value heads once")

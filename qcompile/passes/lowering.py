@@ -69,6 +69,16 @@ def bind(node: fx.Node, op) -> dict:
     return bound
 
 
+def finish_rewrites(gm: fx.GraphModule, count: int, what: str) -> list:
+    """After a pass that rewrote ``count`` nodes: check and regenerate ``gm``, log ``count`` and ``what``.
+    Returns no explain rows (for the passes that lower no quantized layer)."""
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+        log.info("qcompile: %d %s", count, what)
+    return []
+
+
 def example(node_or_const):
     """The example value (a tensor, or its fake) behind a node argument."""
     return node_or_const.meta.get("example_value", node_or_const.meta.get("val")) \

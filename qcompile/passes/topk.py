@@ -18,14 +18,10 @@ else is left alone.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import fx
 
-from .lowering import example
-
-log = logging.getLogger("qcompile")
+from .lowering import example, finish_rewrites
 
 MAX_K = 16  # k selection steps (two reductions each) in one kernel
 MAX_E = 1024  # a row inductor keeps in registers (a persistent reduction)
@@ -86,8 +82,4 @@ def rewrite_small_topk(gm: fx.GraphModule, example_inputs=None, devices: tuple[s
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         count += 1
-    if count:
-        graph.lint()
-        gm.recompile()
-        log.info("qcompile: %d small top-k call(s) run as selection steps inductor fuses", count)
-    return []
+    return finish_rewrites(gm, count, "small top-k call(s) run as selection steps inductor fuses")
