@@ -69,7 +69,9 @@ def parse_args(argv=None):
                    help=f"models to run, space- or comma-separated (default llama: {' '.join(DENSE_FORMATS)}; "
                         f"qwen3_moe: {' '.join(MOE_FORMATS)}); any of bf16, {', '.join(ONLINE)}, "
                         "and qcompile.synth's quantized formats; FORMAT@KERNEL runs FORMAT with that kernel override "
-                        "(e.g. modelopt-fp8@fp8_scaled_mm)")
+                        "(e.g. modelopt-fp8@fp8_scaled_mm); FORMAT~KEY=VALUE[,KEY=VALUE] with qcompile backend "
+                        "options, a dotted KEY an inductor config entry (e.g. ct-w4a16~small_topk=0, "
+                        "ct-w4a16~triton.enable_pdl=0): one run can interleave the same checkpoint both ways")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 32 llama, 4 qwen3_moe)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
     p.add_argument("--tokens", type=int, default=64, help="decode steps per timed round")
@@ -100,13 +102,50 @@ def parse_args(argv=None):
     formats = [f for item in (args.formats or (MOE_FORMATS if args.arch == "qwen3_moe" else DENSE_FORMATS))
                for f in item.split(",") if f]
     known = ("bf16", *ONLINE, *synth.QUANTIZED_FORMATS)
-    unknown = [f for f in formats if f.split("@")[0] not in known]
+    unknown = [f for f in formats if split_format(f)[0] not in known]
     if unknown:
         p.error(f"unknown format(s) {unknown}; choose from {known}")
+    for f in formats:
+        if split_format(f)[0] == "bf16" and f != "bf16":
+            p.error(f"{f}: plain bf16 runs under torch.compile, without qcompile's kernels or options")
+        try:
+            backend_options(f)
+        except Exception as e:  # noqa: BLE001 - qcompile's own message names the option
+            p.error(f"{f}: {e}")
     args.formats = formats
     if args.hf_generate and args.tokens < 2:
         p.error("--hf-generate times the gaps between generated tokens: pass --tokens 2 or more")
     return args
+
+
+def split_format(fmt: str) -> tuple[str, str | None, dict]:
+    """``BASE[@KERNEL][~KEY=VALUE,...]`` -> (base format, kernel override or None, {key: value}); values 0 / 1 /
+    true / false are booleans, digits integers."""
+    head, _, opts = fmt.partition("~")
+    base, _, kernel = head.partition("@")
+    options = {}
+    for item in filter(None, opts.split(",")):
+        key, _, value = item.partition("=")
+        low = value.lower()
+        options[key] = (low in ("1", "true")) if low in ("0", "1", "true", "false") else \
+            int(value) if value.isdigit() else value
+    return base, kernel or None, options
+
+
+def backend_options(fmt: str) -> dict:
+    """qcompile.backend keyword arguments of ``fmt``'s options (dotted keys go to ``inductor_config``),
+    checked by the backend."""
+    import qcompile
+
+    _, kernels, options = split_format(fmt)
+    out: dict = {"kernels": kernels, "inductor_config": {}}
+    for key, value in options.items():
+        if "." in key:
+            out["inductor_config"][key] = value
+        else:
+            out[key] = value
+    qcompile.backend(**out)  # unknown options: qcompile's ConfigError
+    return out
 
 
 def model_name(fmt: str) -> str:
@@ -120,7 +159,7 @@ def write_checkpoints(model, args, root: str) -> dict:
     from qcompile import synth
 
     written: dict = {}
-    bases = [f.split("@")[0] for f in args.formats]
+    bases = [split_format(f)[0] for f in args.formats]
     for source in dict.fromkeys("bf16" if f in ONLINE else f for f in bases if f != "bf16"):
         t0 = time.perf_counter()
         synth.write_model(os.path.join(root, source), model, source, max_shard_bytes=4 << 30)
@@ -140,13 +179,14 @@ class Held:
     decoders: dict | None = None  # batch -> em.Decoder, compiled and warm (build_decoders)
 
 
-def compilers(args, quantized: bool, kernels: str | None) -> tuple:
+def compilers(args, quantized: bool, options: dict) -> tuple:
     """(the qcompile backend or None, the compile function of the decode steps (CUDA graphs), that of the error
-    probe and the prefill (no CUDA graphs: a prefill is one long compute-bound step))."""
+    probe and the prefill (no CUDA graphs: a prefill is one long compute-bound step)); ``options``: the
+    format's qcompile backend options (:func:`backend_options`)."""
     import qcompile
 
     cuda, fullgraph = args.device == "cuda", not args.no_fullgraph
-    be = qcompile.backend(cudagraphs=cuda and args.inner == "inductor", inner=args.inner, kernels=kernels) \
+    be = qcompile.backend(cudagraphs=cuda and args.inner == "inductor", inner=args.inner, **options) \
         if quantized else None
 
     def compile_fn(f):
@@ -157,7 +197,7 @@ def compilers(args, quantized: bool, kernels: str | None) -> tuple:
         return torch.compile(f, mode="reduce-overhead" if cuda else None, fullgraph=fullgraph, dynamic=False)
 
     def plain_compile(f):
-        return torch.compile(f, backend=qcompile.backend(inner=args.inner, kernels=kernels) if quantized else args.inner,
+        return torch.compile(f, backend=qcompile.backend(inner=args.inner, **options) if quantized else args.inner,
                              dynamic=False)
 
     return be, compile_fn, plain_compile
@@ -171,7 +211,7 @@ def prepare(name: str, fmt: str, make, args, results: dict) -> Held:
     em.sync(args.device)
     out = results[name] = {"load_s": time.perf_counter() - t0, "weight_bytes": em.tensor_bytes(model)}
     quantized = fmt != "bf16"
-    be, compile_fn, plain_compile = compilers(args, quantized, fmt.partition("@")[2] or None)
+    be, compile_fn, plain_compile = compilers(args, quantized, backend_options(fmt) if quantized else {})
     probe = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
     out["errors"] = em.logits_errors(model, plain_compile, probe.to(args.device), quantized)
     if args.prefill:
@@ -366,7 +406,7 @@ def main(argv=None):
         def maker(fmt: str):
             if fmt == "bf16":
                 return bf16.pop  # the model's only reference goes to the run, which frees it
-            base = fmt.split("@")[0]
+            base = split_format(fmt)[0]
             if base == "bf16-qcompile":  # the bf16 checkpoint as transformers loads it
                 from transformers import AutoModelForCausalLM
                 return lambda: AutoModelForCausalLM.from_pretrained(paths[base][0], dtype=torch.bfloat16,
@@ -382,7 +422,7 @@ def main(argv=None):
             shutil.rmtree(root, ignore_errors=True)
     for fmt in args.formats:
         if fmt != "bf16":
-            results[model_name(fmt)]["write_s"] = paths[fmt.split("@")[0]][1]
+            results[model_name(fmt)]["write_s"] = paths[split_format(fmt)[0]][1]
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     report = (f"GPU: {gpu}; torch {torch.__version__}; copy bandwidth {args.bandwidth / 1e9:.0f} GB/s\n"
               f"command: `{command}`\n{note(args.interleave)}\n\n{table(results, args)}")

@@ -59,6 +59,32 @@ def test_unknown_format_is_refused(capsys):
     assert "unknown format(s) ['fp3']" in capsys.readouterr().err
 
 
+def test_format_options():
+    assert e2e_decode.split_format("ct-w4a16") == ("ct-w4a16", None, {})
+    assert e2e_decode.split_format("modelopt-fp8@fp8_scaled_mm~fuse=0,triton.enable_pdl=true") == \
+        ("modelopt-fp8", "fp8_scaled_mm", {"fuse": False, "triton.enable_pdl": True})
+    assert e2e_decode.backend_options("ct-w4a16~small_topk=0,triton.enable_pdl=1") == \
+        {"kernels": None, "inductor_config": {"triton.enable_pdl": True}, "small_topk": False}
+
+
+@pytest.mark.parametrize("fmt, message", [("ct-w4a16~fused=0", "unknown qcompile option(s) ['fused']"),
+                                          ("bf16~fuse=0", "plain bf16 runs under torch.compile")])
+def test_bad_format_options_are_refused(capsys, fmt, message):
+    with pytest.raises(SystemExit):
+        e2e_decode.parse_args(["--formats", fmt])
+    assert message in capsys.readouterr().err
+
+
+def test_one_checkpoint_two_ways(tmp_path):
+    """The same checkpoint with and without the Fuse pass in one run: 4 and 7 quantized matmuls per layer."""
+    out = tmp_path / "out.json"
+    e2e_decode.main(SMOKE + ["--formats", "ct-w4a16", "ct-w4a16~fuse=0", "--batch", "1", "--prefill", "0",
+                             "--json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    counts = {name: sum(sum(k.values()) for k in r["kernels"]["by_op"].values()) for name, r in results.items()}
+    assert counts == {"ct-w4a16 qcompile": 4, "ct-w4a16~fuse=0 qcompile": 7}, counts
+
+
 def test_interleaved_rounds_rotate(tmp_path, capsys, monkeypatch):
     """--interleave: every decode step is built and warmed before the first timed round; then each round runs,
     at each batch size, every model once in the models' order rotated by the round; each model's figure is the
