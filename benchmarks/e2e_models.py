@@ -124,18 +124,21 @@ class Decoder:
     def __init__(self, model, compile_fn, device: str, batch: int, prompt_len: int, max_steps: int):
         from transformers import StaticCache
 
+        from qcompile.kv_cache import cache_kwargs
+
         self.model, self.device = model, device
         self.cache = StaticCache(config=model.config, max_cache_len=prompt_len + max_steps + 8)
+        self.cache_kw = cache_kwargs(model, self.cache)  # `cache=` from transformers 5.24, `past_key_values=` before
         ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=device)
         with torch.no_grad():
-            logits = model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+            logits = model(input_ids=ids, **self.cache_kw, use_cache=True,
                            cache_position=torch.arange(prompt_len, device=device), logits_to_keep=1).logits
         self.tok, self.pos = logits[:, -1:].argmax(-1), prompt_len
         self.positions = torch.arange(prompt_len + max_steps, device=device)
         self.step = compile_fn(self._step)
 
     def _step(self, tok, pos):
-        logits = self.model(input_ids=tok, past_key_values=self.cache, cache_position=pos, use_cache=True).logits
+        logits = self.model(input_ids=tok, **self.cache_kw, cache_position=pos, use_cache=True).logits
         return logits[:, -1:].argmax(-1)
 
     def run(self, n: int) -> float:
@@ -179,10 +182,13 @@ def prefill_ms(model, compile_fn, device: str, length: int, reps: int) -> float:
     """Median ms of a compiled batch-1 prefill of ``length`` tokens into a StaticCache (last logits only)."""
     from transformers import StaticCache
 
+    from qcompile.kv_cache import cache_kwargs
+
     cache = StaticCache(config=model.config, max_cache_len=length)
+    kw = cache_kwargs(model, cache)
     ids = torch.randint(3, model.config.vocab_size, (1, length), device=device)
     pos = torch.arange(length, device=device)
-    fn = compile_fn(lambda ids, pos: model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True,
+    fn = compile_fn(lambda ids, pos: model(input_ids=ids, **kw, cache_position=pos, use_cache=True,
                                            logits_to_keep=1).logits)
     times = []
     with torch.no_grad():
