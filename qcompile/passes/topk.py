@@ -10,10 +10,9 @@ decode step. This pass writes it as ``k`` steps of "the largest value not yet pi
 then gathers the values at the picked indices. Inductor fuses the whole chain, and usually the softmax before
 it, into one kernel per router. The result is ``torch.topk``'s, sorted (largest first), with equal values in
 ascending index order (where ``topk`` leaves their order unspecified) and NaN ranked above every number (+inf
-too), as ``topk`` ranks it. It applies to floating-point ``topk`` over the last dimension with ``largest=True``, no
-``out=``, a static last dimension ``E <= MAX_E`` and ``k <= MAX_K``, on CUDA graphs compiled by inductor; anything
-else is left alone.
-``backend(small_topk=False)`` turns the pass off.
+too), as ``topk`` ranks it. It applies to floating-point ``topk`` over the last dimension with ``largest=True``,
+no ``out=``, a static last dimension ``E <= MAX_E`` and ``k <= MAX_K``, on CUDA graphs compiled by inductor;
+anything else is left alone. ``backend(small_topk=False)`` turns the pass off.
 """
 
 from __future__ import annotations
@@ -49,12 +48,10 @@ def topk_by_selection(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 def _rewritable(node: fx.Node, devices: tuple[str, ...]) -> tuple[fx.Node, int] | None:
     """(input, k) when ``node`` is a top-k this pass runs (see the module doc)."""
-    if node.op == "call_function" and node.target is torch.topk:
-        args = dict(zip(NAMES, node.args), **node.kwargs)
-    elif node.op == "call_method" and node.target == "topk":
-        args = dict(zip(NAMES, node.args), **node.kwargs)
-    else:
+    if not ((node.op == "call_function" and node.target is torch.topk)
+            or (node.op == "call_method" and node.target == "topk")):
         return None
+    args = dict(zip(NAMES, node.args), **node.kwargs)
     x, k = example(args.get("input")), args.get("k")
     if "out" in args or not isinstance(x, torch.Tensor) or not isinstance(k, int) or x.device.type not in devices:
         return None
