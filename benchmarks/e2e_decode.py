@@ -69,9 +69,10 @@ def parse_args(argv=None):
                    help=f"models to run, space- or comma-separated (default llama: {' '.join(DENSE_FORMATS)}; "
                         f"qwen3_moe: {' '.join(MOE_FORMATS)}); any of bf16, {', '.join(ONLINE)}, "
                         "and qcompile.synth's quantized formats; FORMAT@KERNEL runs FORMAT with that kernel override "
-                        "(e.g. modelopt-fp8@fp8_scaled_mm); FORMAT~KEY=VALUE[,KEY=VALUE] with qcompile backend "
-                        "options, a dotted KEY an inductor config entry (e.g. ct-w4a16~small_topk=0, "
-                        "ct-w4a16~triton.enable_pdl=0): one run can interleave the same checkpoint both ways")
+                        "(e.g. modelopt-fp8@fp8_scaled_mm); FORMAT[@KERNEL]~KEY=VALUE[+KEY=VALUE] with qcompile "
+                        "backend options, a dotted KEY an inductor config entry (e.g. ct-w4a16~small_topk=0, "
+                        "ct-w4a16~triton.enable_pdl=0+fuse=0): one run can interleave the same checkpoint both "
+                        "ways (HF generate too)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 32 llama, 4 qwen3_moe)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
     p.add_argument("--tokens", type=int, default=64, help="decode steps per timed round")
@@ -102,30 +103,37 @@ def parse_args(argv=None):
     formats = [f for item in (args.formats or (MOE_FORMATS if args.arch == "qwen3_moe" else DENSE_FORMATS))
                for f in item.split(",") if f]
     known = ("bf16", *ONLINE, *synth.QUANTIZED_FORMATS)
+    for f in formats:
+        try:
+            base, kernel, options = split_format(f)
+            if base in known and base != "bf16":
+                backend_options(f)
+        except Exception as e:  # noqa: BLE001 - qcompile's own message names the option
+            p.error(f"{f}: {e}")
+        if base == "bf16" and (kernel or options):
+            p.error(f"{f}: plain bf16 runs under torch.compile, without qcompile's kernels or options")
     unknown = [f for f in formats if split_format(f)[0] not in known]
     if unknown:
         p.error(f"unknown format(s) {unknown}; choose from {known}")
-    for f in formats:
-        if split_format(f)[0] == "bf16" and f != "bf16":
-            p.error(f"{f}: plain bf16 runs under torch.compile, without qcompile's kernels or options")
-        try:
-            backend_options(f)
-        except Exception as e:  # noqa: BLE001 - qcompile's own message names the option
-            p.error(f"{f}: {e}")
     args.formats = formats
     if args.hf_generate and args.tokens < 2:
         p.error("--hf-generate times the gaps between generated tokens: pass --tokens 2 or more")
     return args
 
 
+SET_BY_THE_RUN = ("inner", "cudagraphs", "on_graph")  # backend options the benchmark sets itself
+
+
 def split_format(fmt: str) -> tuple[str, str | None, dict]:
-    """``BASE[@KERNEL][~KEY=VALUE,...]`` -> (base format, kernel override or None, {key: value}); values 0 / 1 /
-    true / false are booleans, digits integers."""
+    """``BASE[@KERNEL][~KEY=VALUE+KEY=VALUE...]`` -> (base format, kernel override or None, {key: value});
+    values 0 / 1 / true / false are booleans, digits integers. Raises ValueError for an option without a value."""
     head, _, opts = fmt.partition("~")
     base, _, kernel = head.partition("@")
     options = {}
-    for item in filter(None, opts.split(",")):
-        key, _, value = item.partition("=")
+    for item in filter(None, opts.split("+")):
+        key, eq, value = item.partition("=")
+        if not (key and eq and value):
+            raise ValueError(f"option {item!r}: write KEY=VALUE")
         low = value.lower()
         options[key] = (low in ("1", "true")) if low in ("0", "1", "true", "false") else \
             int(value) if value.isdigit() else value
@@ -133,16 +141,30 @@ def split_format(fmt: str) -> tuple[str, str | None, dict]:
 
 
 def backend_options(fmt: str) -> dict:
-    """qcompile.backend keyword arguments of ``fmt``'s options (dotted keys go to ``inductor_config``),
-    checked by the backend."""
+    """qcompile.backend keyword arguments of ``fmt``'s options (dotted keys go to ``inductor_config``), checked
+    against the backend's options (names and value types) and inductor's config (names)."""
+    import dataclasses
+
+    import torch._inductor.config as inductor_config
+
     import qcompile
+    from qcompile.backend import Options
 
     _, kernels, options = split_format(fmt)
+    fields = {f.name: f for f in dataclasses.fields(Options)}
     out: dict = {"kernels": kernels, "inductor_config": {}}
     for key, value in options.items():
         if "." in key:
+            try:
+                inductor_config._is_default(key)
+            except KeyError:
+                raise ValueError(f"inductor has no config entry {key!r}") from None
             out["inductor_config"][key] = value
+        elif key in SET_BY_THE_RUN:
+            raise ValueError(f"{key!r} is set by the benchmark (--inner, CUDA graphs on the GPU)")
         else:
+            if key in fields and isinstance(fields[key].default, bool) and not isinstance(value, bool):
+                raise ValueError(f"{key} takes 0 / 1 / true / false, got {value!r}")
             out[key] = value
     qcompile.backend(**out)  # unknown options: qcompile's ConfigError
     return out
@@ -218,7 +240,8 @@ def prepare(name: str, fmt: str, make, args, results: dict) -> Held:
         out["prefill_ms"] = em.prefill_ms(model, plain_compile, args.device, args.prefill, args.reps)
     if args.hf_generate:
         torch._dynamo.reset()
-        out["hf_generate_b1"] = em.generate_tok_s(model, em.compile_config(quantized, args.device == "cuda", args.inner),
+        out["hf_generate_b1"] = em.generate_tok_s(model, em.compile_config(quantized, args.device == "cuda", args.inner,
+                                                                           backend_options(fmt) if quantized else None),
                                                   args.device, 1, args.prompt, args.tokens, args.reps)
         if quantized:
             # generate() compiles with backend="qcompile" (a copy of the config): the rows explain() reads

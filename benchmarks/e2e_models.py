@@ -234,16 +234,16 @@ def generate_tok_s(model, compile_config, device: str, batch: int, prompt_len: i
     return {"tok_s": batch / step, "ms_per_step": 1e3 * step}
 
 
-def compile_config(quantized: bool, cuda: bool, inner: str = "inductor"):
+def compile_config(quantized: bool, cuda: bool, inner: str = "inductor", options: dict | None = None):
     """generate()'s CompileConfig: qcompile with its CUDA graphs for a quantized model (the backend option;
-    ``mode`` must then be None, torch.compile takes mode or options), inductor reduce-overhead for bf16.
-    ``inner`` other than inductor: that compiler instead (a smoke test)."""
+    ``mode`` must then be None, torch.compile takes mode or options) and its other ``options``, inductor
+    reduce-overhead for bf16. ``inner`` other than inductor: that compiler instead (a smoke test)."""
     from transformers import CompileConfig
 
     graphs = cuda and inner == "inductor"
     if quantized:
         config = CompileConfig(backend="qcompile", fullgraph=True, dynamic=False, mode=None,
-                               options={"cudagraphs": graphs, "inner": inner})
+                               options={**(options or {}), "cudagraphs": graphs, "inner": inner})
     else:
         config = CompileConfig(backend=inner, fullgraph=True, dynamic=False,
                                mode="reduce-overhead" if graphs else "default")

@@ -61,14 +61,21 @@ def test_unknown_format_is_refused(capsys):
 
 def test_format_options():
     assert e2e_decode.split_format("ct-w4a16") == ("ct-w4a16", None, {})
-    assert e2e_decode.split_format("modelopt-fp8@fp8_scaled_mm~fuse=0,triton.enable_pdl=true") == \
+    assert e2e_decode.split_format("modelopt-fp8@fp8_scaled_mm~fuse=0+triton.enable_pdl=true") == \
         ("modelopt-fp8", "fp8_scaled_mm", {"fuse": False, "triton.enable_pdl": True})
-    assert e2e_decode.backend_options("ct-w4a16~small_topk=0,triton.enable_pdl=1") == \
+    assert e2e_decode.backend_options("ct-w4a16~small_topk=0+triton.enable_pdl=1") == \
         {"kernels": None, "inductor_config": {"triton.enable_pdl": True}, "small_topk": False}
+    args = e2e_decode.parse_args(["--formats", "bf16,ct-w4a16~small_topk=0+triton.enable_pdl=0", "ct-w4a16@wo_mma~fuse=0"])
+    assert args.formats == ["bf16", "ct-w4a16~small_topk=0+triton.enable_pdl=0", "ct-w4a16@wo_mma~fuse=0"]
 
 
-@pytest.mark.parametrize("fmt, message", [("ct-w4a16~fused=0", "unknown qcompile option(s) ['fused']"),
-                                          ("bf16~fuse=0", "plain bf16 runs under torch.compile")])
+@pytest.mark.parametrize("fmt, message", [
+    ("ct-w4a16~fused=0", "unknown qcompile option(s) ['fused']"),
+    ("ct-w4a16~fuse", "option 'fuse': write KEY=VALUE"),
+    ("ct-w4a16~small_topk=no", "small_topk takes 0 / 1 / true / false, got 'no'"),
+    ("ct-w4a16~triton.enable_pdll=0", "inductor has no config entry 'triton.enable_pdll'"),
+    ("ct-w4a16~cudagraphs=0", "'cudagraphs' is set by the benchmark"),
+    ("bf16~fuse=0", "plain bf16 runs under torch.compile")])
 def test_bad_format_options_are_refused(capsys, fmt, message):
     with pytest.raises(SystemExit):
         e2e_decode.parse_args(["--formats", fmt])

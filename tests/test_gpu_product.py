@@ -76,18 +76,26 @@ def test_pdl_chains_are_bit_identical_to_serial_launches(fmt, synth_ckpt, testda
     """With PDL a kernel may start before the previous one ends and waits only before its first dependent read:
     a wait placed wrongly reads a half-written buffer. The compiled model (wo_mma / cuBLAS / wo_moe between
     inductor's kernels, the MoE routers' fused top-k, CUDA graphs replayed on other inputs) gives the same bits
-    with PDL on and off."""
+    with PDL on and off (inductor's deterministic mode: the same reduction configs in both compiles)."""
+    from torch._inductor.utils import run_and_get_code
+
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
     path = testdata / fmt if fmt.endswith("-moe") else synth_ckpt(fmt)
     model = qcompile.load(str(path), device="cuda")
     outs = {}
+    same_configs = {"deterministic": True} if hasattr(torch._inductor.config, "deterministic") else {}
     for pdl in (False, True):
         torch._dynamo.reset()
-        be = qcompile.backend(cudagraphs=True, inductor_config={"triton.enable_pdl": pdl})
+        rewritten = []
+        be = qcompile.backend(cudagraphs=True, inductor_config={"triton.enable_pdl": pdl, **same_configs},
+                              on_graph=lambda before, after: rewritten.append("topk_by_selection" in after))
         compiled = torch.compile(model, backend=be)
         with torch.no_grad():
-            outs[pdl] = [compiled(IDS.cuda().roll(i, -1)).logits.clone() for i in range(4)]
+            first, code = run_and_get_code(lambda: compiled(IDS.cuda()).logits.clone())
+            outs[pdl] = [first] + [compiled(IDS.cuda().roll(i, -1)).logits.clone() for i in range(1, 4)]
+        assert any("gdc_wait" in c for c in code) == pdl
+        assert rewritten and all(rewritten) == fmt.endswith("-moe")  # the routers' top-k fused
     for off, on in zip(outs[False], outs[True]):
         assert torch.equal(off, on)
 
