@@ -53,9 +53,22 @@ class Options:
         if unknown:
             raise ConfigError(f"unknown qcompile option(s) {unknown}", where="torch.compile(options=...)",
                               fix=f"qcompile takes {sorted(known)}")
+        flags = [f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool)]
+        for name in flags:
+            if name in options and not isinstance(options[name], bool):
+                raise ConfigError(f"option {name} must be True or False, got {options[name]!r}",
+                                  where=f"options.{name}", fix=f"pass {name}=True or {name}=False")
         opts = cls(**options)
         if opts.inner not in INNER:
             raise ConfigError(f"unknown inner compiler {opts.inner!r}", where="options.inner", fix=f"use one of {INNER}")
+        if opts.inductor_config:
+            import torch._inductor.config as inductor_config
+            for key in opts.inductor_config:
+                try:
+                    inductor_config._is_default(key)
+                except KeyError:
+                    raise ConfigError(f"inductor has no config entry {key!r}", where="options.inductor_config",
+                                      fix="use a name of torch._inductor.config, e.g. 'triton.enable_pdl'") from None
         return opts
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,16 @@ def test_unknown_option_is_a_clear_error():
         qcompile.backend(innr="eager")
     with pytest.raises(ConfigError, match="inner compiler"):
         qcompile.backend(inner="tvm")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"fuse": "no"}, "option fuse must be True or False, got 'no'"),
+    ({"small_topk": 0}, "option small_topk must be True or False, got 0"),
+    ({"inductor_config": {"triton.enable_pdll": True}}, "inductor has no config entry 'triton.enable_pdll'"),
+])
+def test_bad_option_values_are_clear_errors(options, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        qcompile.backend(**options)
 
 
 def test_kernel_override_that_cannot_run_is_an_error():

@@ -72,7 +72,7 @@ def test_format_options():
 @pytest.mark.parametrize("fmt, message", [
     ("ct-w4a16~fused=0", "unknown qcompile option(s) ['fused']"),
     ("ct-w4a16~fuse", "option 'fuse': write KEY=VALUE"),
-    ("ct-w4a16~small_topk=no", "small_topk takes 0 / 1 / true / false, got 'no'"),
+    ("ct-w4a16~small_topk=no", "option small_topk must be True or False, got 'no'"),
     ("ct-w4a16~triton.enable_pdll=0", "inductor has no config entry 'triton.enable_pdll'"),
     ("ct-w4a16~cudagraphs=0", "'cudagraphs' is set by the benchmark"),
     ("bf16~fuse=0", "plain bf16 runs under torch.compile")])
