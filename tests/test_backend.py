@@ -127,6 +127,18 @@ def test_explain_table_names_module_scheme_op_kernel_and_reason():
     assert "needs a CUDA device" in table  # why the faster kernel was passed over, on this CPU machine
 
 
+def fake_cuda_input(monkeypatch, capability, env=None):
+    """A graph input on a (fake) CUDA device of ``capability``, the PDL switches unset but for ``env``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for name in ("QCOMPILE_PDL", "TORCHINDUCTOR_ENABLE_PDL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    with FakeTensorMode():
+        return torch.empty(2, 8, device="cuda")
+
 
 @pytest.mark.parametrize("capability, env, given, expected", [
     ((9, 0), {}, {}, True),                                       # Hopper: on
@@ -136,16 +148,8 @@ def test_explain_table_names_module_scheme_op_kernel_and_reason():
     ((9, 0), {}, {"triton.enable_pdl": False}, False),            # the user's inductor_config decides
 ])
 def test_inductor_kernels_use_pdl_on_sm90(monkeypatch, capability, env, given, expected):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from qcompile.backend import Options, inductor_patches
-    for name in ("QCOMPILE_PDL", "TORCHINDUCTOR_ENABLE_PDL"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    with FakeTensorMode():
-        x = torch.empty(2, 8, device="cuda")
+    x = fake_cuda_input(monkeypatch, capability, env)
     opts = Options.make({"inductor_config": given, "cudagraphs": True})
     patches = inductor_patches(opts, [x, 3])
     assert patches.get("triton.enable_pdl") is expected
@@ -153,14 +157,8 @@ def test_inductor_kernels_use_pdl_on_sm90(monkeypatch, capability, env, given, e
 
 
 def test_inductor_config_set_by_the_caller_decides_pdl(monkeypatch):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from qcompile.backend import Options, inductor_patches
-    monkeypatch.delenv("QCOMPILE_PDL", raising=False)
-    monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    with FakeTensorMode():
-        x = torch.empty(2, 8, device="cuda")
+    x = fake_cuda_input(monkeypatch, (9, 0))
     assert inductor_patches(Options(), [x]) == {"triton.enable_pdl": True}
     with torch._inductor.config.patch({"triton.enable_pdl": False}):
         assert inductor_patches(Options(), [x]) == {}
