@@ -14,7 +14,8 @@ Arguments: those of ``qcompile::experts_ref`` (:mod:`experts_ref`) without the a
 (no host sync: CUDA-graph capturable):
 
 1. ``moe_align`` (:mod:`moe_kernels`): the T·k (token, expert) pairs grouped per expert in blocks of
-   BLOCK_M rows; pairs whose expert id is outside [0, E) are left out.
+   BLOCK_M rows; pairs whose expert id is outside [0, E) are left out. On wo_mma's path one token needs no
+   sort: each of its pairs is a block of its own.
 2. GEMM 1: at decode sizes on CUDA, wo_mma's grouped build (:func:`wo_mma.grouped`: one launch over the
    blocks, weights decoded in registers, the x rows of each block's pairs; experts tiled at load,
    :func:`tile_for_mma`): fp32 h [T·k, N1]. Otherwise ``_wo_gemm_kernel`` in its GROUPED mode
@@ -22,7 +23,8 @@ Arguments: those of ``qcompile::experts_ref`` (:mod:`experts_ref`) without the a
    rows of its pairs): fp32 h [split, T·k, N1], the bias added by the first K split.
 3. ``_act_rows_kernel``: the splits summed and the activation (experts_ref.gated_activation's math) in
    fp32, rounded to x.dtype: one launch.
-4. GEMM 2: GEMM 1's kernel on w2, bias and router weight in its epilogue: fp32 [split, T·k, H].
+4. GEMM 2: GEMM 1's kernel on w2, bias and router weight (fp32 or x's dtype, read as it is) in its
+   epilogue: fp32 [split, T·k, H]. wo_mma's build requests its weights before it waits for step 3.
 5. ``_moe_sum_kernel``: each token's k pairs and the K splits summed in a fixed order (no atomics,
    deterministic), one rounding to x.dtype.
 
@@ -235,10 +237,11 @@ def wo_moe_triton(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: s
     if launches:
         from .wo_mma import grouped
 
-        align = moe_align(flat_ids, e, mma["block_m"])
+        # one token: each pair is a block of its own (no sort launch; a top-k's experts are distinct)
+        align = flat_ids if t == 1 else moe_align(flat_ids, e, mma["block_m"])
         hid = grouped(launches[0], x, a_div, *w13[:4], b13, spec.weight, align, pairs, None)
-        a = activate(hid.unsqueeze(0), activation, i, x.dtype)
-        y = grouped(launches[1], a, 1, *w2[:4], b2, spec.weight, align, pairs, route).unsqueeze(0)
+        a = activate(hid.unsqueeze(0), activation, i, x.dtype)  # (a Triton launch without PDL: GEMM 2 is ready)
+        y = grouped(launches[1], a, 1, *w2[:4], b2, spec.weight, align, pairs, route, ready=True).unsqueeze(0)
     elif configs is None and dequantizes(x, pairs, e, dequant_rows):
         y = _dequantized_experts(x, a_div, flat_ids, route, w13, w2, b13, b2, activation, spec, i)
     else:

@@ -44,8 +44,10 @@
 //    blocks of a token sort (moe_kernels.moe_align: MT * 8 pair slots per block, one expert per block, -1 for an
 //    unused block); a CTA offsets the weight, scale, zero-point, global-scale and bias pointers to its block's
 //    expert, stages the x rows of its pairs (pair p reads x row p / adiv; padding slots read zeros) and writes
-//    fp32 rows of its pairs, times the pair's router weight when `route` is given. A split is reduced in a
-//    cluster only.
+//    fp32 rows of its pairs, times the pair's router weight (fp32 or x's dtype) when `route` is given. A split is
+//    reduced in a cluster only. For one token the pairs' expert ids stand in for the sort (`direct`: block z is
+//    pair z). With `ready` (the sort was complete when the kernel launched) the block's weights are requested
+//    before griddepcontrol.wait, as in the dense build.
 //  * PDL (sm_90, programmatic dependent launch): the first weight chunks are requested before
 //    griddepcontrol.wait, so they overlap the previous kernel's tail; x, the outputs, the partials
 //    and the counters are touched only after it. With TRIG the kernel lets the next one launch at
@@ -607,6 +609,11 @@ __device__ __forceinline__ float4 ld_dsmem4(u32 addr, int rank) {  // `addr` in 
   return v;
 }
 
+// Pair p's router weight: fp32, or (rh) of x's 16-bit dtype.
+__device__ __forceinline__ float route_w(const void* __restrict__ route, int rh, int p) {
+  return rh ? h_to_f32(((const u16*)route)[p]) : ((const float*)route)[p];
+}
+
 // The epilogue of both kernels: the global scale, the bias and the 16-bit output; with split-K, the
 // reduction inside the cluster or through global memory. The warp's RT tiles (acc[j * MT + t] of
 // tile j) are the CTA's tiles `tile` .. `tile` + RT - 1, rows n0 .. n0 + 16 RT - 1 of its TPC * 16
@@ -615,7 +622,8 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
                                           const float* __restrict__ gs, const u16* __restrict__ bias,
                                           u16* __restrict__ out, float* __restrict__ part,
                                           int* __restrict__ counters, int M, int N, unsigned char* xs,
-                                          const int* gpair, int pairs, const float* __restrict__ route) {
+                                          const int* gpair, int pairs, const void* __restrict__ route,
+                                          int rh) {
   const int lane = threadIdx.x & 31, r = lane >> 2, q = lane & 3;
   const float g = HAS_GS ? gs[0] : 1.f;
 
@@ -633,7 +641,7 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
 #endif
 #if GROUPED
             const int p = gpair[tok];
-            if (p < pairs) ((float*)out)[(size_t)p * N + n] = route ? v * route[p] : v;
+            if (p < pairs) ((float*)out)[(size_t)p * N + n] = route ? v * route_w(route, rh, p) : v;
 #else
             out[(size_t)tok * N + n] = f32_to_h(v);
 #endif
@@ -684,7 +692,7 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
 #if GROUPED
         const int pr = gpair[tok];
         if (pr < pairs) {
-          const float rw = route ? route[pr] : 1.f;
+          const float rw = route ? route_w(route, rh, pr) : 1.f;
           *(float4*)((float*)out + (size_t)pr * N + n) = make_float4(v[0] * rw, v[1] * rw, v[2] * rw, v[3] * rw);
         }
 #else
@@ -751,8 +759,8 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
 #if (WS || XS) && XNAT  // (the builds that load x by TMA on natural-order tiles: x's tensor map)
 #define WO_MMA_TAIL , const __grid_constant__ TMap xmap
 #elif GROUPED  // the token sort's blocks, router weights, x rows per pair and the per-expert strides (elements)
-#define WO_MMA_TAIL , const int* __restrict__ sids, const int* __restrict__ bexp, const float* __restrict__ route, \
-    int pairs, int adiv, long long wse, int sse, int zse
+#define WO_MMA_TAIL , const int* __restrict__ sids, const int* __restrict__ bexp, const void* __restrict__ route, \
+    int pairs, int adiv, long long wse, int sse, int zse, int rh, int direct, int nexp, int ready
 #else
 #define WO_MMA_TAIL
 #endif
@@ -763,11 +771,20 @@ WO_MMA_KERNEL {
   const int r = lane >> 2, q = lane & 3;
 #if GROUPED
   // this CTA's block of the token sort (written by the previous kernel: read after it has completed)
+  // direct (1: int32 ids, 2: int64): block z is pair z alone, bexp the pairs' expert ids (outside [0, nexp):
+  // none). ready: the sort was complete when this kernel launched (a kernel launched without PDL ran
+  // in between), so its block is read and its weights requested before griddepcontrol.wait; x after it.
   __shared__ int gpair[MT * 8];
 #if PDL && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (!ready) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  const int gex = bexp[blockIdx.z];
+  int gex;
+  if (direct) {
+    const long long id = direct == 2 ? ((const long long*)bexp)[blockIdx.z] : (long long)bexp[blockIdx.z];
+    gex = id >= 0 && id < nexp ? (int)id : -1;
+  } else {
+    gex = bexp[blockIdx.z];
+  }
   if (gex < 0) return;  // (every CTA of a cluster: one block)
   w += (size_t)gex * wse;
   s = (const unsigned char*)s + (size_t)gex * sse * (SK == SK_FP32 ? 4 : 1);
@@ -780,13 +797,15 @@ WO_MMA_KERNEL {
 #if HAS_BIAS
   bias += (size_t)gex * N;
 #endif
-  if (threadIdx.x < MT * 8) gpair[threadIdx.x] = sids[blockIdx.z * (MT * 8) + threadIdx.x];
+  if (threadIdx.x < MT * 8)
+    gpair[threadIdx.x] = direct ? (threadIdx.x ? pairs : (int)blockIdx.z) : sids[blockIdx.z * (MT * 8) + threadIdx.x];
   __syncthreads();
 #define X_ROW(m) (gpair[m] < pairs ? x + (size_t)(gpair[m] / adiv) * K : (const u16*)0)
 #else
   const int* gpair = 0;
   const int pairs = 0;
-  const float* route = 0;
+  const void* route = 0;
+  const int rh = 0;
 #define X_ROW(m) (x + (size_t)(m) * K)
 #endif
   const int tile = warp / KW * RT;  // this warp's first tile in the CTA
@@ -1117,7 +1136,7 @@ WO_MMA_KERNEL {
     acc[t][0] *= s_a[t / MT]; acc[t][1] *= s_a[t / MT]; acc[t][2] *= s_b[t / MT]; acc[t][3] *= s_b[t / MT];
   }
 #endif
-  store_out(acc, owner, tile, n0, gs, bias, out, part, counters, M, N, xs, gpair, pairs, route);
+  store_out(acc, owner, tile, n0, gs, bias, out, part, counters, M, N, xs, gpair, pairs, route, rh);
 #undef X_ROW
 }
 #else  // WS
@@ -1295,6 +1314,6 @@ WO_MMA_KERNEL {
 #endif
   asm volatile("griddepcontrol.wait;" ::: "memory");  // before any output, partial or counter
 #endif
-  store_out(acc, active, warp, n0, gs, bias, out, part, counters, M, N, xs, 0, 0, 0);
+  store_out(acc, active, warp, n0, gs, bias, out, part, counters, M, N, xs, 0, 0, 0, 0);
 }
 #endif  // WS

@@ -676,18 +676,26 @@ def test_gpu_cuda_graph_and_determinism(fmt):
 def test_gpu_grouped_mma_matches_reference(fmt):
     """wo_mma's grouped build in blocks of 8 and 16 pair slots, on checkpoint-order and tiled experts (as a GPU
     load stores them), against experts_ref: decode token counts, more pairs of one expert than a block holds
-    (T = 40), biases, fp16 x, swigluoai, the router weight on the input and another rank's expert ids. Both
+    (T = 40), biases, fp16 x, swigluoai, the router weight on the input, router weights in x's dtype, int32 ids and
+    another rank's expert ids (one token: its pairs' blocks come from the ids themselves, no sort). Both
     projections have a launch at these shapes (gpt-oss's K = 2880: 8-bit weights with groups dividing it)."""
     mx = FORMATS[fmt].scale.dtype.name == "E8M0"
     cases = [(1, {}, False), (5, dict(bias=True), False), (40, dict(activation="swigluoai:1.702:7.0", bias=True),
-             False), (7, {}, True)] + ([] if mx else [(16, dict(dtype=torch.float16, bias=True), False)])
+             False), (7, {}, True)] + ([] if mx else [(16, dict(dtype=torch.float16, bias=True), False)]) + \
+        [(1, dict(bias=True), False)]
     spec = FORMATS[fmt]
     for name, shape in GPU_SHAPES.items():
         if any(mma_reason(spec, 0, kk) for kk in shape[1:3]):
             continue
         for seed, (t, kw, on_input) in enumerate(cases):
             args = gpu_moe(fmt, t, shape, seed=seed, **kw)
-            args["top_k_index"][0, 0] = -1
+            args["top_k_index"][0, 0] = -1  # another rank's experts (one valid pair left at T = 1, k = 2)
+            if args["top_k_index"].numel() > 2:
+                args["top_k_index"][-1, -1] = shape[0]
+            if seed % 2 == 0:  # router weights as the model's router leaves them (x's dtype), read as they are
+                args["top_k_weights"] = args["top_k_weights"].to(args["hidden_states"].dtype)
+            if seed in (0, 2):
+                args["top_k_index"] = args["top_k_index"].int()
             x, ids = args["hidden_states"], args["top_k_index"]
             b = (args["w13_bias"], args["w2_bias"])
             for bm, tiled in itertools.product(mw.MMA_BLOCK_M, (False, True)):
