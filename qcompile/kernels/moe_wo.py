@@ -180,7 +180,8 @@ def mma_rule(x: torch.Tensor, pairs: int, experts: int) -> dict | None:
 
 def _mma_launches(x, w13: tuple, w2: tuple, b13, b2, spec, i: int, mma: dict, pairs: int):
     """wo_mma's grouped launches of both GEMMs for an ``mma`` choice (``block_m``, and per GEMM optional
-    ``warps`` / ``split``: :data:`MMA_AXES`), or None where either has none (the Triton kernel runs)."""
+    ``warps`` / ``split`` / ``kw`` / ``rt``: :data:`MMA_AXES`), or None where either has none (the Triton kernel
+    runs)."""
     from . import wo_mma
 
     if not x.is_cuda:
@@ -308,7 +309,8 @@ NO_DEQUANT = 1 << 62  # dequant_rows that keeps every call on the grouped kernel
 
 
 MMA_BLOCK_M = (8, 16)
-MMA_AXES = {"warps": (4, 8, 16), "split": (1, 2, 3, 4, 6, 8)}  # one grouped wo_mma GEMM's launch
+# one grouped wo_mma GEMM's launch: warps per CTA, K split, warps per 16-row tile, tiles per warp (group)
+MMA_AXES = {"warps": (4, 8, 16), "split": (1, 2, 3, 4, 6, 8), "kw": (1, 2, 4), "rt": (1, 2)}
 
 
 def _mma_choice(launch: dict) -> bool:

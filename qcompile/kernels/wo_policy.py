@@ -551,19 +551,24 @@ GROUPED_WARPS_PER_SM = 64
 
 @functools.lru_cache(maxsize=None)  # asked on every call of the MoE op
 def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | None = None, split: int | None = None,
-                   max_cluster: int = MAX_CLUSTER) -> MmaLaunch | None:
+                   max_cluster: int = MAX_CLUSTER, kw: int = 1, rt: int = 1) -> MmaLaunch | None:
     """The launch of the grouped (MoE experts) mma.sync build for blocks of ``call.m`` pair slots of one expert
     each, about ``active`` of them busy: :data:`MMA_WARPS` warps per CTA and the split that gives the active
     blocks :data:`GROUPED_WARPS_PER_SM` warps per SM (:func:`plan` over their ``active * N`` rows), at most
     ``max_cluster`` (reduced in a thread-block cluster; no split before sm_90). None where that leaves the x
     slice over :data:`SMEM_BUDGET`. ``warps`` / ``split`` fix the CTA size / the split (None where a forced split
-    exceeds the cluster). Its grid's third dimension is the token sort's block count, given at the launch."""
+    exceeds the cluster); ``kw`` warps share a 16-row tile, each group of them owning ``rt`` tiles (the mma.sync
+    build's refinements; None where ``kw`` does not divide the warps). Its grid's third dimension is the token
+    sort's block count, given at the launch."""
     spec, m, n, k = call.spec, call.m, call.n, call.k
     stages = LAUNCH[spec.tiled][0]
     bits, warps, most = spec.dtype.bits, warps or MMA_WARPS, max_cluster if gpu.capability[0] >= 9 else 1
     nch = k // KPC[bits]
+    if warps % kw:
+        return None
     if split is None:
-        split = min(plan(m, n * active, k, bits, warps, stages, gpu.sms, None, GROUPED_WARPS_PER_SM)[1], most)
+        split = min(plan(m, n * active, k, bits, warps, stages, gpu.sms, None, GROUPED_WARPS_PER_SM, kw=kw,
+                         rt=rt)[1], most)
     cps = -(-nch // split)
     split = -(-nch // cps)
     if split > most or x_bytes(m, cps, bits) > SMEM_BUDGET:
@@ -571,8 +576,8 @@ def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | No
     smode, group = scale_mode(spec)
     cfg = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, call.zp_t is not None,
                     call.zp_t or "int", call.has_gs, call.has_bias, -(-m // 8), stages, warps, spec.tiled,
-                    cluster=split if split > 1 else 1, pdl=pdl, xf16=call.xf16, grouped=True)
-    return MmaLaunch(cfg, -(-(n // 16) // warps), split, cps, smem_bytes(m, cps, cfg))
+                    cluster=split if split > 1 else 1, pdl=pdl, xf16=call.xf16, grouped=True, kw=kw, rt=rt)
+    return MmaLaunch(cfg, -(-(n // 16) // cfg.tiles), split, cps, smem_bytes(m, cps, cfg))
 
 
 # -- the decision ----------------------------------------------------------------------------------

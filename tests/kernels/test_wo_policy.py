@@ -392,6 +392,11 @@ def test_grouped_launch_fills_the_gpu_in_a_cluster(name):
     assert wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, 1536, 2048), 8, True, split=16) is None
     forced = wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 16, 1536, 2048), 8, True, warps=4, split=2)
     assert (forced.cfg.warps, forced.split, forced.cfg.cluster, forced.cols) == (4, 2, 2, 24)
+    # kw warps per tile, rt tiles per group: 8 warps, kw 2, rt 2 own 8 tiles (128 rows) per CTA
+    shared = wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, 2048, 768), 8, True, warps=8, split=2, kw=2, rt=2)
+    assert (shared.cfg.kw, shared.cfg.rt, shared.cfg.tiles, shared.cols, shared.split) == (2, 2, 8, 16, 2)
+    assert shared.smem >= (8 - 8 // 2) * 2 * 512  # the other warps' partials
+    assert wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, 2048, 768), 8, True, warps=4, kw=8) is None
     sm80 = FakeGpu((8, 0), 108)
     for n, k in ((1536, 2048), (28672, 4096)):
         assert wo_policy.grouped_launch(sm80, wo_policy.Call(spec, 8, n, k), 8, False).split == 1
