@@ -7,13 +7,18 @@ them, compiled by plain ``torch.compile`` (ATen's top-k) and by qcompile (the to
 bf16 weights out; the router's linear itself is not timed: it is the same cuBLAS call either way). qcompile's
 side also has what its backend adds on sm_90+: PDL for inductor's kernels. Each cell also checks that both
 compiled routers return the same weights (to a bf16 ulp) and indices that hold the same probabilities.
+
+``--dry-run`` runs small shapes on the CPU with wall-clock timing (inductor's CPU code, where the top-k pass does
+not apply): a smoke test of this script, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,27 +35,43 @@ def router(logits: torch.Tensor, k: int):
     return (top / top.sum(-1, keepdim=True)).to(logits.dtype), ids
 
 
+def wall_us(fn, calls: int = 5) -> float:
+    """Median wall-clock µs of ``calls`` calls (the CPU dry run)."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", nargs="+", default=["8:2", "32:4", "128:8", "256:8"], help="E:k pairs")
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 256, 4096])
     p.add_argument("--json", default=None)
+    p.add_argument("--dry-run", action="store_true", help="small shapes on the CPU, wall clock: a smoke test")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_router.py times CUDA graphs: run it on a GPU")
+    if args.dry_run:
+        device, label = "cpu", "CPU dry run (wall clock; not a measurement)"
+    elif torch.cuda.is_available():
+        device, label = "cuda", device_label("cuda")
+    else:
+        sys.exit("bench_router.py times CUDA graphs: run it on a GPU (or --dry-run on the CPU)")
     rows = []
-    print(f"{device_label('cuda')}\n\n| E, k | T | torch.compile (ATen top-k), µs | qcompile, µs | speed-up |")
+    print(f"{label}\n\n| E, k | T | torch.compile (ATen top-k), µs | qcompile, µs | speed-up |")
     print("| --- | --- | --- | --- | --- |")
     for ek in args.experts:
         e, k = (int(v) for v in ek.split(":"))
         for t in args.tokens:
-            logits = torch.randn(t, e, device="cuda", dtype=torch.bfloat16)
+            logits = torch.randn(t, e, device=device, dtype=torch.bfloat16)
             times, outs = {}, {}
             for name, backend in (("torch", "inductor"), ("qcompile", qcompile.backend(inner="inductor"))):
                 torch._dynamo.reset()
                 fn = torch.compile(lambda x: router(x, k), backend=backend, fullgraph=True, dynamic=False)
                 outs[name] = fn(logits)
-                times[name] = graph_time_us(lambda: fn(logits), calls=20, replays=50)
+                times[name] = (graph_time_us(lambda: fn(logits), calls=20, replays=50) if device == "cuda"
+                               else wall_us(lambda: fn(logits)))
             (wa, ia), (wb, ib) = outs["torch"], outs["qcompile"]
             torch.testing.assert_close(wb, wa, rtol=8e-3, atol=0)  # the softmax kernels may round 1 ulp apart
             probs = logits.softmax(-1, dtype=torch.float)
@@ -61,7 +82,7 @@ def main(argv=None) -> int:
             print(f"| {e}, {k} | {t} | {row['torch_us']} | {row['qcompile_us']} | "
                   f"{times['torch'] / times['qcompile']:.2f}x |", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"gpu": device_label("cuda"), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"gpu": label, "rows": rows}, indent=1))
     return 0
 
 

@@ -1,5 +1,5 @@
-"""benchmarks/bench_moe.py --dry-run: the CPU smoke test of the GPU benchmark (tiny shapes, the
-reference path of qcompile::fused_moe, wall-clock timing)."""
+"""benchmarks/bench_moe.py and bench_router.py --dry-run: the CPU smoke tests of the GPU benchmarks (tiny shapes,
+the reference path of qcompile::fused_moe, inductor's CPU routers, wall-clock timing)."""
 
 from __future__ import annotations
 
@@ -84,3 +84,19 @@ def test_bench_moe_weight_only_rows():
     assert {r["row"]: r["us"] for r in tail if r["row"] in int4} == \
         dict.fromkeys(int4, "fails: down projection w2: K=192 not a multiple of the group size 128")
     assert {r["row"] for r in tail if isinstance(r["us"], float)} == (set(bench.OURS_WO) | forced) - int4
+
+
+def test_bench_router_dry_run(tmp_path, capsys):
+    """benchmarks/bench_router.py --dry-run: both compiled routers run on the CPU and agree (the script checks
+    weights and indices), one row per (E:k, T) in the table and the JSON."""
+    path = BENCH.with_name("bench_router.py")
+    spec = importlib.util.spec_from_file_location("bench_router", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "router.json"
+    assert bench.main(["--dry-run", "--experts", "8:2", "16:4", "--tokens", "1", "5", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["experts"], r["k"], r["tokens"]) for r in result["rows"]] == [(8, 2, 1), (8, 2, 5), (16, 4, 1),
+                                                                           (16, 4, 5)]
+    assert all(r["torch_us"] > 0 and r["qcompile_us"] > 0 for r in result["rows"])
+    assert "dry run" in result["gpu"] and "| 16, 4 | 5 |" in capsys.readouterr().out
