@@ -770,10 +770,10 @@ WO_MMA_KERNEL {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane >> 2, q = lane & 3;
 #if GROUPED
-  // this CTA's block of the token sort (written by the previous kernel: read after it has completed)
-  // direct (1: int32 ids, 2: int64): block z is pair z alone, bexp the pairs' expert ids (outside [0, nexp):
-  // none). ready: the sort was complete when this kernel launched (a kernel launched without PDL ran
-  // in between), so its block is read and its weights requested before griddepcontrol.wait; x after it.
+  // this CTA's block of the token sort, read after the previous kernel has completed unless `ready`: the sort
+  // was complete when this kernel launched (a kernel launched without PDL ran in between), so the block is read
+  // and its weights requested before griddepcontrol.wait, x after it. direct (1: int32 ids, 2: int64): block z
+  // is pair z alone, bexp the pairs' expert ids (outside [0, nexp): none).
   __shared__ int gpair[MT * 8];
 #if PDL && __CUDA_ARCH__ >= 900
   if (!ready) asm volatile("griddepcontrol.wait;" ::: "memory");
