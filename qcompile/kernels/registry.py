@@ -63,6 +63,9 @@ class Kernel:
     # something else is not a faster kernel passed over, so the explain table leaves it out.
     computes: Callable[[QuantScheme], str | None] | None = None
     kind: str = "linear"  # the op family (KINDS)
+    # The op quantizes activations itself at run time, so it has no activation-scale arguments and is not a
+    # weight-only kernel for all that (the passes' weight-only warning reads the op's arguments otherwise).
+    quantizes_acts: bool = False
 
     def reason_not(self, q: KernelQuery) -> str | None:
         why = self.computes(q.scheme) if self.computes else None
@@ -206,6 +209,7 @@ def _load_builtin():
     from . import experts_ref  # noqa: F401  (the experts reference kernel)
     from . import moe_triton  # noqa: F401  (the fused MoE kernel)
     from . import moe_wo  # noqa: F401  (the weight-only MoE kernel)
+    from . import moe_cpu4  # noqa: F401  (W4A8-int experts on the CPU)
     from . import fp8  # noqa: F401
     from . import int8  # noqa: F401
     from . import wo_gemm  # noqa: F401

@@ -43,8 +43,11 @@ def _query(scheme_key: str, x, weight_shape, compiler: str) -> KernelQuery:
 
 def _weight_only(op_name: str) -> bool:
     """A kernel op without activation-scale arguments (``input_scale``, ``w13_input_scale``, ...) runs the
-    matmul on unquantized activations."""
-    return not any(a.name.endswith(("input_scale", "input_global_scale")) for a in op_of(op_name)._schema.arguments)
+    matmul on unquantized activations, unless its kernels quantize them themselves (``Kernel.quantizes_acts``)."""
+    from ..kernels.registry import kernels
+
+    return not any(a.name.endswith(("input_scale", "input_global_scale")) for a in op_of(op_name)._schema.arguments) \
+        and not any(k.op == op_name and k.quantizes_acts for k in kernels())
 
 
 _WARNED: set[str] = set()
