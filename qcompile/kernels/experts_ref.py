@@ -243,9 +243,6 @@ REFERENCE = register(Kernel(
 
 # -- autograd: straight through the quantization -------------------------------------------------
 
-N_TENSORS = 3 + 2 * len(ROLES) + 2  # hidden_states, index, weights; w13_*, w2_*; the two biases
-
-
 @torch.library.custom_op("qcompile::experts_ref_backward", mutates_args=())
 def experts_backward(
     grad: torch.Tensor,
@@ -288,20 +285,36 @@ def _(grad, hidden_states, top_k_index, top_k_weights, *rest):
     return torch.empty_like(hidden_states), torch.empty_like(top_k_weights)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:N_TENSORS])
-    ctx.activation, ctx.scheme, ctx.on_input = inputs[N_TENSORS:N_TENSORS + 3] if len(inputs) > N_TENSORS + 2 \
-        else (*inputs[N_TENSORS:N_TENSORS + 2], False)
+def register_straight_through(op: str, roles: tuple[str, ...] = ROLES, scheme_of=None) -> None:
+    """Give an experts-family op experts_ref's straight-through gradient (for hidden_states and top_k_weights).
+    The op's arguments: hidden_states, top_k_index, top_k_weights, w13_<role> and w2_<role> for ``roles`` (of
+    :data:`ROLES`, in order), w13_bias, w2_bias, activation, scheme, then optionally
+    apply_router_weight_on_input and more. ``scheme_of``: the scheme key the gradient uses for the op's."""
+    n = 3 + 2 * len(roles) + 2
+    namespace, name = op.split("::")
+    n_args = len(getattr(getattr(torch.ops, namespace), name).default._schema.arguments)
+
+    def full(tensors) -> tuple:
+        return tuple(tensors[roles.index(r)] if r in roles else None for r in ROLES)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:n])
+        activation, scheme, *rest = inputs[n:]
+        ctx.activation, ctx.on_input = activation, bool(rest[0]) if rest else False
+        ctx.scheme = scheme_of(scheme) if scheme_of else scheme
+
+    def backward(ctx, grad):
+        grads = [None] * n_args
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
+            x, ids, weights, *t, b13, b2 = ctx.saved_tensors
+            gx, gr = torch.ops.qcompile.experts_ref_backward(grad, x, ids, weights, *full(t[:len(roles)]),
+                                                             *full(t[len(roles):]), b13, b2, ctx.activation,
+                                                             ctx.scheme, ctx.on_input)
+            grads[0] = gx if ctx.needs_input_grad[0] else None
+            grads[2] = gr if ctx.needs_input_grad[2] else None
+        return tuple(grads)
+
+    torch.library.register_autograd(op, backward, setup_context=setup_context)
 
 
-def _backward(ctx, grad):
-    grads = [None] * (N_TENSORS + 3)
-    if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
-        gx, gr = torch.ops.qcompile.experts_ref_backward(grad, *ctx.saved_tensors, ctx.activation, ctx.scheme,
-                                                         ctx.on_input)
-        grads[0] = gx if ctx.needs_input_grad[0] else None
-        grads[2] = gr if ctx.needs_input_grad[2] else None
-    return tuple(grads)
-
-
-torch.library.register_autograd(OP, _backward, setup_context=_setup_context)
+register_straight_through(OP)

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..scheme import Granularity, Packing, QDtype, QuantScheme, parse_scheme_key
-from .experts_ref import ACTIVATIONS, NON_GATED, gated_activation, reference_experts
+from .experts_ref import ACTIVATIONS, NON_GATED, gated_activation, reference_experts, register_straight_through
 from .registry import Kernel, KernelQuery, register
 
 OP = "qcompile::dyn4bit_moe"
@@ -201,28 +201,7 @@ def _(hidden_states, top_k_index, top_k_weights, *rest, **kwargs):
 
 # -- autograd: experts_ref's straight-through gradient ----------------------------------------------
 
-N_TENSORS = 9  # hidden_states, index, weights; w13 weight and scale, w2 weight and scale; the two biases
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:N_TENSORS])
-    activation, scheme, *rest = inputs[N_TENSORS:]
-    ctx.activation, ctx.scheme, ctx.on_input = activation, scheme, bool(rest[0]) if rest else False
-
-
-def _backward(ctx, grad):
-    grads = [None] * (N_TENSORS + 4)
-    if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
-        x, ids, weights, w13, s13, w2, s2, b13, b2 = ctx.saved_tensors
-        none = (None,) * 5  # global scale, zero point, g_idx, input scales: none
-        gx, gr = torch.ops.qcompile.experts_ref_backward(grad, x, ids, weights, w13, s13, *none, w2, s2, *none, b13,
-                                                          b2, ctx.activation, ctx.scheme, ctx.on_input)
-        grads[0] = gx if ctx.needs_input_grad[0] else None
-        grads[2] = gr if ctx.needs_input_grad[2] else None
-    return tuple(grads)
-
-
-torch.library.register_autograd(OP, _backward, setup_context=_setup_context)
+register_straight_through(OP, ("weight", "weight_scale"))
 
 
 # -- registry --------------------------------------------------------------------------------------

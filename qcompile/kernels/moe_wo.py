@@ -46,7 +46,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..scheme import QuantScheme, parse_scheme_key
-from .experts_ref import ACTIVATIONS, NON_GATED, reference_experts
+from .experts_ref import ACTIVATIONS, NON_GATED, ROLES, reference_experts, register_straight_through
 from .fp8_quant_triton import HAS_TRITON, use_triton
 from . import quant_math
 from .moe_kernels import moe_align
@@ -473,31 +473,9 @@ def _(hidden_states, top_k_index, top_k_weights, *rest, **kwargs):
     return torch.empty_like(hidden_states)
 
 
-# -- autograd: experts_ref's straight-through gradient ----------------------------------------------
+# -- autograd: experts_ref's straight-through gradient, on the weight-only scheme ------------------------
 
-N_TENSORS = 3 + 2 * 5 + 2  # hidden_states, index, weights; w13_*, w2_*; the two biases
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:N_TENSORS])
-    activation, scheme, *rest = inputs[N_TENSORS:]
-    ctx.activation, ctx.scheme, ctx.on_input = activation, scheme, bool(rest[0]) if rest else False
-
-
-def _backward(ctx, grad):
-    grads = [None] * (N_TENSORS + 4)
-    if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
-        x, ids, weights, *t, b13, b2 = ctx.saved_tensors
-        no_act = (None, None)  # experts_ref's activation scales: none, weight-only
-        gx, gr = torch.ops.qcompile.experts_ref_backward(
-            grad, x, ids, weights, *t[:5], *no_act, *t[5:], *no_act, b13, b2, ctx.activation,
-            _weight_only_key(parse_scheme_key(ctx.scheme)), ctx.on_input)
-        grads[0] = gx if ctx.needs_input_grad[0] else None
-        grads[2] = gr if ctx.needs_input_grad[2] else None
-    return tuple(grads)
-
-
-torch.library.register_autograd(OP, _backward, setup_context=_setup_context)
+register_straight_through(OP, ROLES[:5], lambda key: _weight_only_key(parse_scheme_key(key)))
 
 
 # -- registry --------------------------------------------------------------------------------------
