@@ -41,7 +41,7 @@ PROJECTIONS = ("gate/up projection w13", "down projection w2")
 def scheme_reason(scheme: QuantScheme) -> str | None:
     """None when the scheme is W4A8-int as this kernel computes it, else what it is not."""
     w, a = scheme.weight, scheme.act
-    if w.dtype is not QDtype.INT4 or w.global_scale or w.zero_point or w.act_order or w.tiled or \
+    if w.dtype is not QDtype.INT4 or w.global_scale or w.zero_point or w.act_order or w.k_sorted or w.tiled or \
             w.packing not in (Packing.NONE, Packing.INT32):
         return "computes symmetric int4 weights (per channel or group) only"
     if w.scale.granularity not in (Granularity.CHANNEL, Granularity.GROUP):
