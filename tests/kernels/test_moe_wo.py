@@ -711,6 +711,31 @@ def test_gpu_grouped_mma_matches_reference(fmt):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4_g128", "nvfp4"])
+def test_gpu_grouped_mma_shared_tiles_match_reference(fmt):
+    """The grouped build with the tuner's kw (warps per 16-row tile) and rt (tiles per warp) axes, as tuned
+    entries may fix them per GEMM, against experts_ref: one token (no sort) and five."""
+    shape = GPU_SHAPES["e32-h1024-i768-k4"]
+    spec = FORMATS[fmt]
+    s = QuantScheme(dataclasses.replace(spec, tiled=True))
+    for t in (1, 5):
+        args = gpu_moe(fmt, t, shape, seed=t, bias=True)
+        w13, w2 = (tuple(quant_math.tile_weight(v.reshape(-1, v.shape[-1]), s.weight).reshape(v.shape)
+                         if r == "weight" else v for r, v in ((r, args[f"{p}_{r}"]) for r in W_ROLES))
+                   for p in ("w13", "w2"))
+        b = (args["w13_bias"], args["w2_bias"])
+        for g1, g2 in (({"kw": 2}, {"rt": 2}), ({"warps": 8, "kw": 2, "rt": 2}, {"warps": 8, "kw": 4, "split": 1}),
+                       ({"warps": 16, "kw": 4, "rt": 2, "split": 1}, {"warps": 4, "rt": 2, "split": 2})):
+            mma = {"block_m": 8, "gemm1": g1, "gemm2": g2}
+            assert mw._mma_choice(mma) and mw._mma_launches(args["hidden_states"], w13, w2, *b, s, shape[2], mma,
+                                                             args["top_k_index"].numel()), mma
+            out = mw.wo_moe_triton(args["hidden_states"], args["top_k_index"], args["top_k_weights"], w13, w2, *b,
+                                   args["activation"], s, False, mma=mma)
+            check_gpu(out, args, f"T={t} {mma}")
+    torch.cuda.empty_cache()
+
+
 GPU_CHECKPOINTS = ["llmcompressor-w4a16-gptq-moe", "llmcompressor-w4a16-mixtral", "llmcompressor-w8a16-moe",
                    "llmcompressor-nvfp4a16-moe", "llmcompressor-nvfp4-moe", "modelopt-nvfp4-moe", "modelopt-mxfp8-moe",
                    "modelopt-w4a16-nvfp4-moe", "modelopt-w4a16-nvfp4-mixtral", "quark-w-mxfp4-moe",
