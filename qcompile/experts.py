@@ -255,10 +255,10 @@ class QuantExperts(nn.Module):
         self._tile_for_kernel()
 
     def _tile_for_kernel(self) -> None:
-        """On a GPU where the registry picks ``wo_moe`` for this layer and wo_mma's grouped build takes both
-        projections, permute every expert's weight once into the order that kernel streams (moe_wo.tile_for_mma:
-        scheme ``tiled``; decode up to 1.33x faster than the checkpoint order, docs/kernels-moe.md).
-        :meth:`disk_tensors` undoes it."""
+        """On a GPU where the kernel the registry picks for this layer declares the ``tiled`` layout
+        (``Kernel.layouts``) and wo_mma's grouped build takes both projections, permute every expert's weight once
+        into the order that build streams (moe_wo.tile_for_mma: scheme ``tiled``; decode up to 1.33x faster than
+        the checkpoint order, docs/kernels-moe.md). :meth:`disk_tensors` undoes it."""
         from .kernels.registry import KernelQuery, cuda_capability, select
 
         w13 = self.w13_weight
@@ -267,7 +267,7 @@ class QuantExperts(nn.Module):
             return
         query = KernelQuery(scheme, "cuda", cuda_capability(w13.device), w13.shape[1], self.hidden_dim, self.dtype,
                             kind="experts", num_experts=self.num_experts, top_k=1, activation=self.activation)
-        if select(query).kernel.name == "wo_moe":
+        if "tiled" in select(query).kernel.layouts:
             self._tile()
 
     def _tile(self) -> bool:

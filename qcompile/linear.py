@@ -249,33 +249,33 @@ class QuantLinear(nn.Module):
         return t.to(disk.dtype).reshape(disk.shape).contiguous()
 
     def _tile_for_kernel(self) -> None:
-        """On a GPU where the registry picks ``wo_mma`` for this layer, permute the weight once into
-        the order that kernel streams (quant_math.tile_weight; ~25% faster than the canonical order at
-        decode, docs/kernels-wo.md). An act-order weight is first sorted by group for either GPU kernel
-        (quant_math.sort_act_order; the op then gathers x's columns per call), when its g_idx allows
-        it: wo_mma takes no g_idx, and Triton's per-element scale lookup through it was 13x slower than
-        its plain group path (8192², M=1). The old tensor is freed at once: one layer of extra memory.
-        :meth:`disk_tensors` undoes both."""
+        """On a GPU, make the weight layouts that the kernel the registry picks for this layer declares
+        (``Kernel.layouts``: :meth:`apply_layouts`). The old tensor is freed at once: one layer of extra memory.
+        :meth:`disk_tensors` undoes them."""
         from .kernels.registry import KernelQuery, cuda_capability, select
 
         w = self.weight
-        scheme = parse_scheme_key(self.scheme_key)
-        if w.device.type != "cuda" or scheme.weight.tiled:
+        if w.device.type != "cuda":
             return
         dtype = self.bias.dtype if self.bias is not None else self.dtype
+        self.apply_layouts(lambda s: select(KernelQuery(s, "cuda", cuda_capability(w.device), self.out_features,
+                                                        self.in_features, dtype)).kernel)
 
-        def kernel(s) -> str:
-            query = KernelQuery(s, "cuda", cuda_capability(w.device), self.out_features, self.in_features, dtype)
-            return select(query).kernel.name
-
+    def apply_layouts(self, kernel_for) -> None:
+        """The layouts ``kernel_for(scheme)`` (the registry's kernel for a scheme) declares: an act-order weight is
+        sorted by group (quant_math.sort_act_order; the op then gathers x's columns per call) where the kernel for
+        the sorted scheme wants ``ksorted`` and the g_idx allows it; then the weight is permuted into wo_mma's
+        streaming order (quant_math.tile_weight) where the kernel wants ``tiled``."""
+        scheme = parse_scheme_key(self.scheme_key)
+        if scheme.weight.tiled:
+            return
         if scheme.weight.act_order:
-            sorted_scheme = replace(scheme, weight=replace(scheme.weight, act_order=False, k_sorted=True))
-            name = kernel(sorted_scheme)
-            if name not in ("wo_mma", "wo_triton") or not self._sort_act_order():
+            kernel = kernel_for(replace(scheme, weight=replace(scheme.weight, act_order=False, k_sorted=True)))
+            if "ksorted" not in kernel.layouts or not self._sort_act_order():
                 return
         else:
-            name = kernel(scheme)
-        if name == "wo_mma":
+            kernel = kernel_for(scheme)
+        if "tiled" in kernel.layouts:
             self._tile()
 
     def _sort_act_order(self) -> bool:

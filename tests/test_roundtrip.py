@@ -53,15 +53,17 @@ def assert_same_weights(a, b) -> None:
 
 
 def gpu_layout(model) -> int:
-    """What a GPU load does where wo_mma runs a layer, here on CPU for every layer: sort act-order weights
-    by group, tile every weight (QuantLinear._tile_for_kernel's steps). Returns the layers changed."""
+    """What a GPU load does where wo_mma runs a layer, here on the CPU for every layer: the layouts wo_mma
+    declares (act-order weights sorted by group, then tiled), by QuantLinear.apply_layouts. Returns the layers
+    changed."""
+    from qcompile.kernels.wo_gemm import WO_MMA
+
     changed = 0
     for m in model.modules():
         if isinstance(m, QuantLinear):
-            if "actorder" in m.scheme_key:
-                assert m._sort_act_order()
-            m._tile()
-            changed += 1
+            before = m.scheme_key
+            m.apply_layouts(lambda scheme: WO_MMA)
+            changed += m.scheme_key != before
     return changed
 
 
@@ -139,6 +141,26 @@ def test_act_order_sorted_and_tiled_round_trips(synth_ckpt, tmp_path):
     assert torch.equal(model(x).logits, want)  # the reference op runs the sorted, tiled layout exactly
     model.save_pretrained(tmp_path / "sorted")
     assert_same_checkpoint(src, tmp_path / "sorted")
+
+
+@pytest.mark.parametrize("layouts,flags", [((), "actorder"), (("ksorted",), "ksorted"), (("tiled",), "actorder"),
+                                           (("ksorted", "tiled"), "tiled/ksorted")])
+def test_layouts_follow_the_kernel(layouts, flags, synth_ckpt, tmp_path):
+    """A layer makes the layouts its kernel declares (Kernel.layouts), none other: an act-order weight is sorted
+    only for a kernel that wants ``ksorted`` (else left as it is, tiled or not), then tiled for ``tiled``."""
+    import types
+
+    src = act_order_checkpoint(synth_ckpt("ct-w4a16"), tmp_path / "src")
+    kernel = types.SimpleNamespace(layouts=layouts)
+    model = qcompile.load(str(src))
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for m in layers:
+        m.apply_layouts(lambda scheme: kernel)
+    assert {m.scheme_key for m in layers} == {f"w=int4/group128/pack=int32/{flags};a=none"}
+    plain = qcompile.load(str(synth_ckpt("ct-w4a16")))
+    for m in (m for m in plain.modules() if isinstance(m, QuantLinear)):
+        m.apply_layouts(lambda scheme: kernel)
+        assert ("/tiled" in m.scheme_key) == ("tiled" in layouts)
 
 
 def test_trained_modelopt_w4a16_nvfp4_round_trips(tmp_path):

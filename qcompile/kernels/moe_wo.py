@@ -498,6 +498,6 @@ def check(q: KernelQuery) -> str | None:
 
 WO_MOE = register(Kernel(
     name="wo_moe", op=OP, backend="triton", priority=28, check=check, requires=("triton",), act_dtypes=HALF,
-    computes=wo_reason, kind="experts",
+    computes=wo_reason, kind="experts", layouts=("tiled",),  # the grouped wo_mma build's order (tile_for_mma)
     description="Triton grouped weight-only MoE: GPU token sort, the weight-only GEMM per expert block, top-k sum",
 ))

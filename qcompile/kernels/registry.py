@@ -66,6 +66,10 @@ class Kernel:
     # The op quantizes activations itself at run time, so it has no activation-scale arguments and is not a
     # weight-only kernel for all that (the passes' weight-only warning reads the op's arguments otherwise).
     quantizes_acts: bool = False
+    # Weight layouts the kernel wants made once at a GPU load, applied in this order by the layer modules (which
+    # know how, and undo them for saving): "ksorted" (act-order columns sorted by group where g_idx allows),
+    # "tiled" (wo_mma's streaming order).
+    layouts: tuple[str, ...] = ()
 
     def reason_not(self, q: KernelQuery) -> str | None:
         why = self.computes(q.scheme) if self.computes else None
