@@ -178,6 +178,51 @@ def reference_experts_grad(grad: torch.Tensor, x: torch.Tensor, top_k_index: tor
     return gx, gr
 
 
+def is_gated(activation: str, where: str = OP) -> bool:
+    """Whether ``activation`` is gated (w13 holds gate rows then up rows); UnsupportedError for an unknown one."""
+    name = activation.split(":")[0]
+    if name not in ACTIVATIONS + NON_GATED:
+        raise UnsupportedError(f"unknown experts activation {activation!r}", where=where,
+                               fix=f"one of {list(ACTIVATIONS + NON_GATED)} (swigluoai:<alpha>:<limit>)")
+    return name in ACTIVATIONS
+
+
+def check_call(x, ids, weights, w13_weight, w2_weight, b13, b2, activation: str, where: str,
+               check_projection=None) -> tuple[int, int, int]:
+    """(E, I, k) of an experts kernel op's call after checking what every kernel of the family needs (x, the
+    routing, the stacked weights' leading dimensions, the biases) and, by ``check_projection(prefix, K, E)``
+    ("w13" with K = H, then "w2" with K = I), the kernel's format; UnsupportedError naming the tensor otherwise."""
+    h = x.shape[-1]
+    if not x.dtype.is_floating_point:
+        raise UnsupportedError(f"hidden_states must be floating point, got {x.dtype}", where=where)
+    if ids.dtype not in (torch.int32, torch.int64) or ids.shape[:-1] != x.shape[:-1] or ids.dim() == 0:
+        raise UnsupportedError(f"top_k_index must be int32/int64 [{', '.join(map(str, x.shape[:-1]))}, k], got "
+                               f"{ids.dtype} {list(ids.shape)}", where=where)
+    if weights.shape != ids.shape or not weights.dtype.is_floating_point:
+        raise UnsupportedError(f"top_k_weights must be float {list(ids.shape)}, got {weights.dtype} "
+                               f"{list(weights.shape)}", where=where)
+    if w13_weight.dim() != 3 or w2_weight.dim() != 3:
+        raise UnsupportedError(f"w13_weight and w2_weight must be stacked over experts [E, N, K'], got "
+                               f"{list(w13_weight.shape)} and {list(w2_weight.shape)}", where=where)
+    e, n1 = w13_weight.shape[:2]
+    gated = is_gated(activation, where)
+    if n1 % 2 and gated:
+        raise UnsupportedError(f"w13_weight has {n1} rows: a gated activation ({activation}) needs gate rows "
+                               "then up rows, 2I in all", where=where)
+    i = n1 // 2 if gated else n1
+    if check_projection:
+        check_projection("w13", h, e)
+    if w2_weight.shape[:2] != (e, h):
+        raise UnsupportedError(f"w2_weight must be [E={e}, H={h}, ...], got {list(w2_weight.shape)}", where=where)
+    if check_projection:
+        check_projection("w2", i, e)
+    for name, b, n in (("w13_bias", b13, n1), ("w2_bias", b2, h)):
+        if b is not None and (tuple(b.shape) != (e, n) or not b.dtype.is_floating_point):
+            raise UnsupportedError(f"{name} must be a float [{e}, {n}] bias, got {b.dtype} {list(b.shape)}",
+                                   where=where)
+    return e, i, ids.shape[-1]
+
+
 def _check(scheme: str, activation: str) -> None:
     why = reference_supports(parse_scheme_key(scheme))
     if why:

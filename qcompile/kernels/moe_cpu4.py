@@ -30,7 +30,8 @@ import torch
 
 from ..errors import UnsupportedError
 from ..scheme import Granularity, Packing, QDtype, QuantScheme, parse_scheme_key
-from .experts_ref import ACTIVATIONS, NON_GATED, gated_activation, reference_experts, register_straight_through
+from .experts_ref import (ACTIVATIONS, NON_GATED, check_call, gated_activation, reference_experts,
+                          register_straight_through)
 from .registry import Kernel, KernelQuery, register
 
 OP = "qcompile::dyn4bit_moe"
@@ -111,12 +112,12 @@ def packed(weight, scale, bias, scheme: QuantScheme, k: int) -> list[torch.Tenso
     return payloads
 
 
-def dyn4bit_experts(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, scheme: QuantScheme,
+def dyn4bit_experts(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, scheme: QuantScheme, i: int,
                     on_input: bool) -> torch.Tensor:
-    """The module doc's math for x [T, H]: fp32 [T, H]; ``w13`` / ``w2``: (weight, scale) stacked over experts."""
+    """The module doc's math for x [T, H]: fp32 [T, H]; ``w13`` / ``w2``: (weight, scale) stacked over experts,
+    ``i`` the down projection's inputs."""
     t, h = x.shape
     e, n1 = w13[0].shape[:2]
-    i = w2[0].shape[-1] if w2[0].dtype == torch.int8 else w2[0].shape[-1] * 8
     p13, p2 = packed(*w13, b13, scheme, h), packed(*w2, b2, scheme, i)
     g13, g2 = block(scheme, h), block(scheme, i)
     out = torch.zeros((t, h), dtype=torch.float32)
@@ -133,22 +134,20 @@ def dyn4bit_experts(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation:
     return out
 
 
-def _check(x, ids, weights, w13: tuple, w2: tuple, activation: str, scheme: QuantScheme) -> None:
+def _check(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, scheme: QuantScheme) -> int:
+    """I after checking the call (experts_ref.check_call, then the W4A8-int tensors); UnsupportedError naming
+    the tensor otherwise."""
     why = scheme_reason(scheme)
     if why:
         raise UnsupportedError(f"scheme {scheme.key}: {why}", where=OP, fix="use qcompile::experts_ref")
-    if activation.split(":")[0] not in ACTIVATIONS + NON_GATED:
-        raise UnsupportedError(f"unknown experts activation {activation!r}", where=OP,
-                               fix=f"one of {list(ACTIVATIONS + NON_GATED)} (swigluoai:<alpha>:<limit>)")
-    if not x.dtype.is_floating_point or ids.dtype not in (torch.int32, torch.int64) or \
-            weights.shape != ids.shape or ids.shape[:-1] != x.shape[:-1]:
-        raise UnsupportedError(f"expected float hidden_states [..., H] with int top_k_index and float top_k_weights "
-                               f"[..., k], got {x.dtype} {list(x.shape)}, {ids.dtype} {list(ids.shape)}, "
-                               f"{weights.dtype} {list(weights.shape)}", where=OP)
-    for what, (w, s) in zip(PROJECTIONS, (w13, w2)):
-        if w.dim() != 3 or w.dtype not in (torch.int8, torch.int32) or s is None or s.shape[:2] != w.shape[:2]:
+    def check_projection(prefix: str, k: int, e: int) -> None:
+        (w, s), what = (w13, PROJECTIONS[0]) if prefix == "w13" else (w2, PROJECTIONS[1])
+        width = k if w.dtype == torch.int8 else k // 8
+        if w.dtype not in (torch.int8, torch.int32) or w.shape[-1] != width or s is None or s.shape[:2] != w.shape[:2]:
             raise UnsupportedError(f"{what}: expected int8 or int32 weights [E, N, K'] with scales [E, N, ...], got "
                                    f"{w.dtype} {list(w.shape)} and {None if s is None else list(s.shape)}", where=OP)
+
+    return check_call(x, ids, weights, w13[0], w2[0], b13, b2, activation, OP, check_projection)[1]
 
 
 @torch.library.custom_op(OP, mutates_args=())
@@ -174,7 +173,7 @@ def dyn4bit_moe(
     spec = parse_scheme_key(scheme)
     x = hidden_states
     w13, w2 = (w13_weight, w13_weight_scale), (w2_weight, w2_weight_scale)
-    _check(x, top_k_index, top_k_weights, w13, w2, activation, spec)
+    i = _check(x, top_k_index, top_k_weights, w13, w2, w13_bias, w2_bias, activation, spec)
     lead, h, k = x.shape[:-1], x.shape[-1], top_k_index.shape[-1]
     x2, ids, weights = x.reshape(-1, h), top_k_index.reshape(-1, k), top_k_weights.reshape(-1, k)
     if backend == "reference":
@@ -185,12 +184,12 @@ def dyn4bit_moe(
     if x.device.type != "cpu":
         raise UnsupportedError(f"backend 'kleidiai' runs on the CPU, got {x.device}", where=OP,
                                fix="use backend='reference'")
-    i = w2_weight.shape[-1] if w2_weight.dtype == torch.int8 else w2_weight.shape[-1] * 8
     for what, kk in zip(PROJECTIONS, (h, i)):
         why = shape_reason(spec, kk)
         if why:
             raise UnsupportedError(f"backend 'kleidiai': {what}: {why}", where=OP, fix="use backend='reference'")
-    out = dyn4bit_experts(x2, ids, weights, w13, w2, w13_bias, w2_bias, activation, spec, apply_router_weight_on_input)
+    out = dyn4bit_experts(x2, ids, weights, w13, w2, w13_bias, w2_bias, activation, spec, i,
+                          apply_router_weight_on_input)
     return out.to(x.dtype).reshape(*lead, h)
 
 

@@ -46,7 +46,8 @@ import torch
 
 from ..errors import UnsupportedError
 from ..scheme import QuantScheme, parse_scheme_key
-from .experts_ref import ACTIVATIONS, NON_GATED, ROLES, reference_experts, register_straight_through
+from .experts_ref import (ACTIVATIONS, NON_GATED, ROLES, check_call, is_gated, reference_experts,
+                          register_straight_through)
 from .fp8_quant_triton import HAS_TRITON, use_triton
 from . import quant_math
 from .moe_kernels import moe_align
@@ -96,43 +97,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _is_gated(activation: str) -> bool:
-    name = activation.split(":")[0]
-    if name not in ACTIVATIONS + NON_GATED:
-        raise UnsupportedError(f"unknown experts activation {activation!r}", where=OP,
-                               fix=f"one of {list(ACTIVATIONS + NON_GATED)} (swigluoai:<alpha>:<limit>)")
-    return name in ACTIVATIONS
-
-
 def _check_inputs(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, spec: QuantScheme,
                   scheme: str) -> tuple[int, int, int]:
-    """(E, I, k) after checking every tensor; UnsupportedError naming the tensor otherwise."""
-    h = x.shape[-1]
-    if not x.dtype.is_floating_point:
-        raise UnsupportedError(f"hidden_states must be floating point, got {x.dtype}", where=OP)
-    if ids.dtype not in (torch.int32, torch.int64) or ids.shape[:-1] != x.shape[:-1] or ids.dim() == 0:
-        raise UnsupportedError(f"top_k_index must be int32/int64 [{', '.join(map(str, x.shape[:-1]))}, k], got "
-                               f"{ids.dtype} {list(ids.shape)}", where=OP)
-    if weights.shape != ids.shape or not weights.dtype.is_floating_point:
-        raise UnsupportedError(f"top_k_weights must be float {list(ids.shape)}, got {weights.dtype} "
-                               f"{list(weights.shape)}", where=OP)
-    if w13[0].dim() != 3 or w2[0].dim() != 3:
-        raise UnsupportedError(f"w13_weight and w2_weight must be stacked over experts [E, N, K'], got "
-                               f"{list(w13[0].shape)} and {list(w2[0].shape)}", where=OP)
-    e, n1 = w13[0].shape[:2]
-    gated = _is_gated(activation)
-    if n1 % 2 and gated:
-        raise UnsupportedError(f"w13_weight has {n1} rows: a gated activation ({activation}) needs gate rows "
-                               "then up rows, 2I in all", where=OP)
-    i = n1 // 2 if gated else n1
-    validate(h, *w13, spec, scheme, where=OP, lead=(e,), prefix="w13_")
-    if w2[0].shape[:2] != (e, h):
-        raise UnsupportedError(f"w2_weight must be [E={e}, H={h}, ...], got {list(w2[0].shape)}", where=OP)
-    validate(i, *w2, spec, scheme, where=OP, lead=(e,), prefix="w2_")
-    for name, b, n in (("w13_bias", b13, n1), ("w2_bias", b2, h)):
-        if b is not None and (tuple(b.shape) != (e, n) or not b.dtype.is_floating_point):
-            raise UnsupportedError(f"{name} must be a float [{e}, {n}] bias, got {b.dtype} {list(b.shape)}", where=OP)
-    return e, i, ids.shape[-1]
+    """(E, I, k) after checking every tensor (experts_ref.check_call, then the weight-only format's tensors);
+    UnsupportedError naming the tensor otherwise."""
+    tensors = {"w13": w13, "w2": w2}
+    return check_call(x, ids, weights, w13[0], w2[0], b13, b2, activation, OP, lambda p, k, e: validate(
+        k, *tensors[p], spec, scheme, where=OP, lead=(e,), prefix=f"{p}_"))
 
 
 # -- the Triton pipeline ---------------------------------------------------------------------------
@@ -226,7 +197,7 @@ def wo_moe_triton(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: s
     if pairs == 0:
         return out.zero_()
     n1 = w13[0].shape[1]
-    i = n1 // 2 if _is_gated(activation) else n1
+    i = n1 // 2 if is_gated(activation, OP) else n1
     flat_ids = ids.reshape(-1).contiguous()
     route = weights.reshape(-1).contiguous()
     x = x.contiguous()
