@@ -1,0 +1,202 @@
+"""qcompile::decode_attention: the op against SDPA (CPU), opcheck, its gradient, the Triton kernels under the
+interpreter (subprocess) and compiled for sm_90, and on the GPU against SDPA in fp32 on fresh random data.
+
+Tolerances: fp32 inputs, fp32 everywhere: 2e-6 absolute (|out| <= ~1, summation order only). fp16 / bf16: the
+kernel rounds the probabilities to the input dtype for P @ V as flash kernels do; against SDPA's math on the
+inputs upcast to fp32, 1 % of the output's largest value (bf16's 8 bits: ~0.4 % per rounding).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from qcompile.kernels import attention as at
+
+REPO = Path(__file__).resolve().parents[2]
+gpu = pytest.mark.gpu
+
+
+def make(b=1, kvh=2, rep=4, s=200, d=64, dtype=torch.float32, mask="bool", qb=None, mb=None, seed=0,
+         device="cpu"):
+    """q (qb or b, kvh, rep, d), k, v (b, kvh, s, d) and a (mb or b, 1, 1, s) mask: "bool" (keys hidden at random
+    and a hidden tail from s * 3 / 4 on, as an unwritten static cache), "float" (additive, the same with -inf),
+    "all-hidden", or None."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(qb or b, kvh, rep, d, generator=g).to(device, dtype)
+    k, v = (torch.randn(b, kvh, s, d, generator=g).to(device, dtype) for _ in range(2))
+    keep = torch.rand(mb or b, 1, 1, s, generator=g) > 0.3
+    keep[..., 0] = True
+    keep[..., s * 3 // 4:] = False
+    m = {"bool": keep, "float": torch.randn(keep.shape, generator=g).masked_fill(~keep, float("-inf")),
+         "all-hidden": torch.zeros_like(keep), None: None}[mask]
+    return q, k, v, None if m is None else m.to(device, dtype if m.dtype.is_floating_point else torch.bool)
+
+
+def oracle(q, k, v, mask, scale=None):
+    """SDPA's math in fp32."""
+    m = mask if mask is None or mask.dtype == torch.bool else mask.float()
+    return at.reference(q.float(), k.float(), v.float(), m, scale)
+
+
+def tol(dtype, want):
+    return 2e-6 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
+
+
+# -- the op on the CPU (SDPA) --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mask", ["bool", "float", None])
+def test_op_is_sdpa_on_the_cpu(mask):
+    q, k, v, m = make(mask=mask)
+    torch.testing.assert_close(at.decode_attention(q, k, v, m, 0.2), oracle(q, k, v, m, 0.2), atol=2e-6, rtol=0)
+
+
+def test_opcheck():
+    q, k, v, m = make(s=16, d=8, mask="bool")
+    torch.library.opcheck(at.decode_attention, (q, k, v, m, None))
+    torch.library.opcheck(at.decode_attention, make(s=16, d=8, mask=None)[:3] + (None, 0.5))
+
+
+def test_gradient_is_sdpas():
+    q, k, v, m = make(s=16, d=8, mask="float")
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    at.decode_attention(*ins, m, 0.3).pow(2).sum().backward()
+    want = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    at.reference(*want, m, 0.3).pow(2).sum().backward()
+    for a, b in zip(ins, want):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (dict(k=torch.zeros(1, 3, 16, 8)), "do not share"),
+    (dict(mask=torch.ones(1, 2, 1, 16, dtype=torch.bool)), "shared by all heads"),
+    (dict(q=torch.zeros(2, 4, 8)), "(batch, kv_heads, rows, head_dim)"),
+])
+def test_rejects_bad_shapes(bad, msg):
+    q, k, v, m = make(s=16, d=8)
+    args = {**dict(q=q, k=k, v=v, mask=m), **bad}
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        at.decode_attention(args["q"], args["k"], args["v"], args["mask"])
+
+
+# -- the Triton kernels under the interpreter (subprocess: TRITON_INTERPRET is read at import) ----------------
+
+CASES = {  # name: make() arguments, splits (None: the op's choice)
+    "bool-split4": (dict(), 4),
+    "bool-one-split": (dict(), 1),
+    "float-split3": (dict(mask="float"), 3),
+    "no-mask-d80-rep3": (dict(mask=None, d=80, rep=3), 2),
+    "all-hidden": (dict(mask="all-hidden"), 2),
+    "bf16-batch-broadcast": (dict(b=2, qb=1, mb=1, dtype=torch.bfloat16), 4),
+    "fp16-rep8-d128": (dict(rep=8, d=128, s=300, dtype=torch.float16), None),
+    "mask-of-batch-2": (dict(b=2, kvh=1, rep=2, s=130), None),
+    "most-splits": (dict(kvh=1, rep=2, s=64 * at.MAX_SPLITS + 5, d=16), 10 ** 6),
+}
+
+INTERPRETER_SCRIPT = textwrap.dedent("""
+    import json, os, torch
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    from qcompile.kernels import attention as at
+    from tests.kernels.test_attention import CASES, make, oracle
+    assert at.triton_reason(torch.empty(1, 1, 1, 8), torch.empty(1, 1, 1, 8), torch.empty(1, 1, 1, 8), None) is None
+    res = {}
+    for name, (kw, splits) in CASES.items():
+        q, k, v, m = make(**kw)
+        out = at._triton(q, k, v, m, 0.125, splits) if splits else at.decode_attention(q, k, v, m, 0.125)
+        want = oracle(q, k, v, m, 0.125)
+        res[name] = [(out.float() - want).abs().max().item(), want.abs().max().item(), list(out.shape),
+                     str(out.dtype)]
+    print(json.dumps(res))
+""")
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    if not at.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], check=False, env=env, capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_kernels_under_interpreter(interpreter_results, name):
+    err, peak, shape, dtype = interpreter_results[name]
+    kw = CASES[name][0]
+    want = oracle(*make(**kw), 0.125)
+    assert shape == list(want.shape) and dtype == str(kw.get("dtype", torch.float32))
+    assert err <= tol(kw.get("dtype", torch.float32), want), (name, err, peak)
+
+
+def test_splits_fill_the_gpu():
+    dev = torch.device("cpu")  # 8 "SMs" off a GPU: 32 programs wanted
+    assert at.splits_for(programs=8, keys=4096, device=dev) == 4
+    assert at.splits_for(programs=1, keys=4096, device=dev) == 32
+    assert at.splits_for(programs=1, keys=100, device=dev) == 2  # no split without a block of keys
+    assert at.splits_for(programs=256, keys=4096, device=dev) == 1
+
+
+@pytest.mark.skipif(not at.HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("pdl", [False, True])
+def test_kernels_compile_for_sm90(pdl):
+    """Both kernels compile for sm_90, with programmatic dependent launch (griddepcontrol) and without."""
+    from tests.kernels.test_wo_gemm import _compile_sm90, _ptxas_available
+
+    if not _ptxas_available():
+        pytest.skip("triton's NVIDIA backend / ptxas missing")
+    ints = ("S", "REP", "D", "KVH", "chunk", "SPLITS") + tuple(
+        f"s_{a}{b}" for a, dims in (("q", "bhrd"), ("k", "bhsd"), ("v", "bhsd"), ("m", "bs"), ("o", "bhrd"))
+        for b in dims)
+    for kind in (0, 1, 2):
+        ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", MASK={0: "*bf16", 1: "*u8", 2: "*bf16"}[kind], OUT="*bf16",
+                    ACC="*fp32", ML="*fp32", scale="fp32")
+        for direct in (False, True):
+            _compile_sm90(at._split_kernel, ptrs, ints,
+                          dict(MASK_KIND=kind, DIRECT=direct, IEEE=False, PDL=pdl, BLOCK_M=16, BLOCK_N=at.BLOCK_N,
+                               BLOCK_D=128), num_warps=4, launch_pdl=pdl)
+    _compile_sm90(at._merge_kernel, dict(ACC="*fp32", ML="*fp32", OUT="*bf16"), ints,
+                  dict(PDL=pdl, BLOCK_M=16, BLOCK_D=128, BLOCK_S=16), num_warps=4, launch_pdl=pdl)
+
+
+# -- on the GPU -----------------------------------------------------------------------------------------------
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [
+    dict(b=1, kvh=8, rep=4, s=2048, d=128),  # Llama-3.1-8B, batch 1
+    dict(b=1, kvh=4, rep=8, s=300, d=128),  # Qwen3-30B-A3B
+    dict(b=32, kvh=8, rep=4, s=256, d=128, mb=32),  # batch 32: one split
+    dict(b=3, kvh=2, rep=6, s=77, d=80, qb=1),  # odd sizes, query batch broadcast
+])
+@pytest.mark.parametrize("mask", ["bool", "float", None])
+def test_gpu_matches_sdpa(dtype, shape, mask):
+    q, k, v, m = make(**shape, dtype=dtype, mask=mask, device="cuda")
+    assert at.triton_reason(q, k, v, m) is None
+    out = at.decode_attention(q, k, v, m, None)
+    want = oracle(q, k, v, m)
+    assert out.dtype == dtype and out.shape == want.shape
+    torch.testing.assert_close(out.float(), want, atol=tol(dtype, want), rtol=0)
+
+
+@gpu
+def test_gpu_cuda_graph_and_hidden_rows():
+    q, k, v, m = make(b=1, kvh=8, rep=4, s=1024, d=128, dtype=torch.bfloat16, device="cuda")
+    m[..., 1:] = False  # one key visible: each row is that key's value
+    m[0, 0, 0, 0] = True
+    out = at.decode_attention(q, k, v, m)
+    torch.testing.assert_close(out, v[:, :, :1].expand_as(out), atol=0, rtol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = at.decode_attention(q, k, v, m)
+    m[..., :] = False  # nothing visible: zeros, as SDPA's math gives
+    graph.replay()
+    assert torch.equal(captured, torch.zeros_like(captured))
