@@ -11,7 +11,9 @@ group become that group's query rows,
     -> (b, kv_heads * rep, 1, d)
 
 which is exact (query head ``j`` reads key / value head ``j // rep`` either way; each query row is softmaxed on
-its own). It applies where the mask is absent or shared by all heads (``(b, 1, 1, S)``, what transformers
+its own). The grouped call is ``qcompile::decode_attention`` (``qcompile/kernels/attention.py``: on CUDA a
+split-over-the-keys Triton kernel that skips the blocks the mask hides, SDPA elsewhere), or SDPA itself where
+query, keys or values need a gradient. It applies where the mask is absent or shared by all heads (``(b, 1, 1, S)``, what transformers
 passes), dropout is 0 and ``is_causal`` is off; anything else is left as it is. Prefill (more than one query
 token) is left to SDPA's own kernels. ``backend(gqa_decode=False)`` turns the pass off.
 """
@@ -24,7 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from ..kernels import attention  # noqa: F401  (registers qcompile::decode_attention)
 from .lowering import example, finish_rewrites
+
+decode_attention = torch.ops.qcompile.decode_attention.default
 
 SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 _FULL = slice(None)
@@ -81,12 +86,16 @@ def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
             m = example(mask)
             if m is None or m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1:
                 continue
+        grad = any(getattr(example(x), "requires_grad", True) for x in (args["query"], k[0], v[0]))
         with graph.inserting_before(node):
             grouped = graph.call_method("reshape", (args["query"], b, kvh, h // kvh, d))
-            kwargs = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False}
-            if args.get("scale") is not None:
-                kwargs["scale"] = args["scale"]
-            out = graph.call_function(node.target, (grouped, k[0], v[0]), kwargs)
+            if grad:  # SDPA's own backward
+                kwargs = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False}
+                if args.get("scale") is not None:
+                    kwargs["scale"] = args["scale"]
+                out = graph.call_function(node.target, (grouped, k[0], v[0]), kwargs)
+            else:
+                out = graph.call_function(decode_attention, (grouped, k[0], v[0], mask, args.get("scale")))
             back = graph.call_method("reshape", (out, *shape))
         node.replace_all_uses_with(back)
         graph.erase_node(node)

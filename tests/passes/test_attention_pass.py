@@ -107,8 +107,8 @@ def repeats(code: str) -> int:
 
 
 def sdpa_calls(code: str) -> list[tuple[str, str, str]]:
-    """(query, key, value) argument names of each SDPA call of ``code``."""
-    return re.findall(r"scaled_dot_product_attention\((\w+), (\w+), (\w+)", code)
+    """(query, key, value) argument names of each attention call of ``code``: SDPA or qcompile::decode_attention."""
+    return re.findall(r"(?:scaled_dot_product_attention|decode_attention\.default)\((\w+), (\w+), (\w+)", code)
 
 
 def assert_rewritten(after: str, b: int, kv_heads: int, rep: int, d: int, kv=("l_k_", "l_v_")):
@@ -187,8 +187,8 @@ def test_llama_decode_graph(llama):
 -value = hidden_states_1.reshape(1, 4, 8, 16)
 -attn_output = torch._C._nn.scaled_dot_product_attention(q_embed, key, value, attn_mask = attention_mask, dropout_p = 0.0, scale = 0.25, is_causal = False)
 +reshape_1 = q_embed.reshape(1, 2, 2, 16)
-+scaled_dot_product_attention_1 = torch._C._nn.scaled_dot_product_attention(reshape_1, cache.layers.0.keys, cache.layers.0.values, attn_mask = attention_mask, dropout_p = 0.0, is_causal = False, scale = 0.25)
-+reshape_2 = scaled_dot_product_attention_1.reshape(1, 4, 1, 16)""")
++decode_attention_default = torch.ops.qcompile.decode_attention.default(reshape_1, cache.layers.0.keys, cache.layers.0.values, attention_mask, 0.25)
++reshape_2 = decode_attention_default.reshape(1, 4, 1, 16)""")
     # the attention output's one user (a reshape or a transpose, by transformers version) reads the new output
     assert len(rewired(before, after)) == 1
 
@@ -260,8 +260,8 @@ def test_hand_written_decode_graph():
 -reshape_1 = expand_1.reshape(2, 4, 6, 8)
 -scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention(l_q_, reshape, reshape_1, attn_mask = l_mask_)
 +reshape_2 = l_q_.reshape(2, 2, 2, 8)
-+scaled_dot_product_attention_1 = torch._C._nn.scaled_dot_product_attention(reshape_2, l_k_, l_v_, attn_mask = l_mask_, dropout_p = 0.0, is_causal = False)
-+reshape_3 = scaled_dot_product_attention_1.reshape(2, 4, 1, 8)""")
++decode_attention_default = torch.ops.qcompile.decode_attention.default(reshape_2, l_k_, l_v_, l_mask_, None)
++reshape_3 = decode_attention_default.reshape(2, 4, 1, 8)""")
 
 
 @pytest.mark.parametrize("mask", ["none", "bool", "float"])
@@ -272,7 +272,7 @@ def test_shared_masks_and_scales_are_rewritten_exactly(mask, scale):
     m = _shared_mask(mask)
     out, _, after = compile_graph(module, q, k, v, m)
     assert_rewritten(after, b=2, kv_heads=2, rep=3, d=8)
-    assert (f"scale = {scale}" in after) == (scale is not None)
+    assert re.search(rf"decode_attention\.default\(\w+, l_k_, l_v_, \w+, {scale}\)", after), after
     torch.testing.assert_close(out, module(q, k, v, m), **TOL)
 
 
@@ -338,3 +338,20 @@ def test_gqa_decode_off_leaves_the_graph():
     q, k, v = qkv()
     _, before, after = compile_graph(RepeatedAttention(), q, k, v, _shared_mask("bool"), gqa_decode=False)
     assert repeats(before) == 2 and before == after
+
+
+def test_calls_that_need_a_gradient_keep_sdpa():
+    """Where query, keys or values require a gradient the grouped call stays SDPA (its own backward)."""
+    q, k, v = qkv()
+    q.requires_grad_(True)
+    module = RepeatedAttention()
+    torch._dynamo.reset()
+    graphs = []
+    be = qcompile.backend(inner="eager", on_graph=lambda before, after: graphs.append((before, after)))
+    out = torch.compile(module, backend=be, fullgraph=True, dynamic=False)(q, k, v, _shared_mask("bool"))
+    out.sum().backward()
+    after = graphs[0][1]
+    assert "decode_attention" not in after and sdpa_calls(after) and not repeats(after), after
+    want = q.detach().clone().requires_grad_(True)
+    module(want, k, v, _shared_mask("bool")).sum().backward()
+    torch.testing.assert_close(q.grad, want.grad, **TOL)
