@@ -34,11 +34,14 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .wo_gemm_triton import _FMT_FP8, _decode
+
 OP = "qcompile::decode_attention"
 BLOCK_N = 64  # keys per step of a program
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn
 
 
 def _pdl(device: torch.device) -> bool:
@@ -57,14 +60,34 @@ if HAS_TRITON:
         return tl.dot(a, b)
 
     @triton.jit
-    def _split_kernel(Q, K, V, MASK, OUT, ACC, ML, scale, S, REP, D, KVH, chunk,
+    def _round(x, DTYPE: tl.constexpr, EMU_BF16: tl.constexpr):
+        """fp32 ``x`` rounded to DTYPE, to nearest even. EMU_BF16: the Triton 3.9 interpreter's cast to bf16
+        truncates, so there the rounding is made on the bits first (the cast is then exact)."""
+        if EMU_BF16:
+            bits = x.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(DTYPE)
+
+    @triton.jit
+    def _fp8_value(t, NATIVE: tl.constexpr):
+        """e4m3 bytes -> fp32 values: the hardware conversion, or integer decoding (the interpreter)."""
+        if NATIVE:
+            return t.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return _decode(t.to(tl.int32), _FMT_FP8)
+
+    @triton.jit
+    def _split_kernel(Q, K, V, MASK, OUT, ACC, ML, KS, VS, scale, S, REP, D, KVH, chunk,
                       s_qb, s_qh, s_qr, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd, s_mb, s_ms,
-                      s_ob, s_oh, s_or, s_od,
-                      MASK_KIND: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                      s_ob, s_oh, s_or, s_od, s_ksh, s_vsh,
+                      MASK_KIND: tl.constexpr, KV_FP8: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+                      EMU_BF16: tl.constexpr, NATIVE_FP8: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         """One (batch, key / value head, split): the split's keys against the group's ``rep`` query rows.
         ``DIRECT``: the only split, write the output; else the unnormalized sum, its row maxima and row sums
-        to the workspace for the merge."""
+        to the workspace for the merge. ``KV_FP8``: K and V are e4m3 bytes, dequantized as the FP8 cache does
+        (``dtype(fp8 * scale)``, the head's scale from KS / VS) before the dots: the GPU's own e4m3 conversion
+        (``NATIVE_FP8``), or integer decoding under the interpreter."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -87,6 +110,9 @@ if HAS_TRITON:
         end = tl.minimum(start + chunk, S)
         k_base = K + b * s_kb + h * s_kh
         v_base = V + b * s_vb + h * s_vh
+        if KV_FP8:
+            k_scale = tl.load(KS + h * s_ksh)
+            v_scale = tl.load(VS + h * s_vsh)
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + nn
             valid = offs < end
@@ -98,7 +124,9 @@ if HAS_TRITON:
                 valid = valid & (mv > float("-inf"))
             if tl.max(valid.to(tl.int32), axis=0) > 0:  # a block the mask hides entirely is not read
                 kv_mask = valid[:, None] & dmask[None, :]
-                k = tl.load(k_base + offs[:, None] * s_ks + dd[None, :] * s_kd, mask=kv_mask, other=0.0)
+                k = tl.load(k_base + offs[:, None] * s_ks + dd[None, :] * s_kd, mask=kv_mask, other=0)
+                if KV_FP8:
+                    k = _round(_fp8_value(k, NATIVE_FP8) * k_scale, Q.dtype.element_ty, EMU_BF16)
                 qk = _dot(q, tl.trans(k), IEEE)
                 qk = qk * scale
                 if MASK_KIND == 2:
@@ -109,14 +137,16 @@ if HAS_TRITON:
                 p = tl.exp(qk - m_safe[:, None])
                 alpha = tl.exp(m_i - m_safe)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_base + offs[:, None] * s_vs + dd[None, :] * s_vd, mask=kv_mask, other=0.0)
-                pv = _dot(p.to(v.dtype), v, IEEE)
+                v = tl.load(v_base + offs[:, None] * s_vs + dd[None, :] * s_vd, mask=kv_mask, other=0)
+                if KV_FP8:
+                    v = _round(_fp8_value(v, NATIVE_FP8) * v_scale, Q.dtype.element_ty, EMU_BF16)
+                pv = _dot(_round(p, v.dtype, EMU_BF16), v, IEEE)
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
         if DIRECT:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(OUT + b * s_ob + h * s_oh + rows[:, None] * s_or + dd[None, :] * s_od,
-                     out.to(OUT.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+                     _round(out, OUT.dtype.element_ty, EMU_BF16), mask=rmask[:, None] & dmask[None, :])
         else:
             slot = bh * splits + split
             tl.store(ACC + (slot * BLOCK_M + rows[:, None]) * BLOCK_D + dd[None, :], acc)
@@ -124,8 +154,8 @@ if HAS_TRITON:
             tl.store(ML + (slot * 2 + 1) * BLOCK_M + rows, l_i)
 
     @triton.jit
-    def _merge_kernel(ACC, ML, OUT, REP, D, KVH, SPLITS, s_ob, s_oh, s_or, s_od, PDL: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    def _merge_kernel(ACC, ML, OUT, REP, D, KVH, SPLITS, s_ob, s_oh, s_or, s_od, EMU_BF16: tl.constexpr,
+                      PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
         """One (batch, key / value head, query row): the splits' partial sums, all loaded at once, rescaled to
         their largest row maximum and summed."""
         bh = tl.program_id(0)
@@ -146,14 +176,15 @@ if HAS_TRITON:
         w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
         total = tl.sum(w * l_s, axis=0)
         out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-        tl.store(OUT + b * s_ob + h * s_oh + r * s_or + dd * s_od, out.to(OUT.dtype.element_ty), mask=dd < D)
+        tl.store(OUT + b * s_ob + h * s_oh + r * s_or + dd * s_od, _round(out, OUT.dtype.element_ty, EMU_BF16),
+                 mask=dd < D)
 
 
 def _batch(q, k, v, mask) -> int:
     return max(q.shape[0], k.shape[0], v.shape[0], 1 if mask is None else mask.shape[0])
 
 
-def _check(q, k, v, mask):
+def _check(q, k, v, mask, k_scale=None, v_scale=None):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"{OP}: q, k and v are (batch, kv_heads, rows, head_dim), got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -163,14 +194,24 @@ def _check(q, k, v, mask):
     if mask is not None and (mask.dim() != 4 or mask.shape[1:3] != (1, 1) or mask.shape[3] not in (1, k.shape[2])):
         raise ValueError(f"{OP}: the mask is shared by all heads and rows, (batch, 1, 1, {k.shape[2]}), got "
                          f"{tuple(mask.shape)}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(f"{OP}: fp8 keys and values take a k_scale and a v_scale, got one of them")
+    if k_scale is not None:
+        for name, t, sc in (("k", k, k_scale), ("v", v, v_scale)):
+            if t.dtype != FP8 or sc.dtype != torch.float32 or sc.numel() not in (1, k.shape[1]) or \
+                    sc.dim() != 4 or sc.shape[0] != 1 or sc.shape[2:] != (1, 1):
+                raise ValueError(f"{OP}: with scales, {name} is float8_e4m3fn and {name}_scale fp32 (1, "
+                                 f"{k.shape[1]} or 1, 1, 1) (the FP8 cache's), got {t.dtype} and {sc.dtype} "
+                                 f"{tuple(sc.shape)}")
 
 
-def triton_reason(q, k, v, mask) -> str | None:
+def triton_reason(q, k, v, mask, fp8_kv: bool = False) -> str | None:
     """Why the Triton kernel does not take this call (then SDPA does), or None."""
     if not use_triton(q):
         return "no Triton for this device"
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"q, k and v in one of {DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
+    kv = FP8 if fp8_kv else q.dtype
+    if q.dtype not in DTYPES or k.dtype != kv or v.dtype != kv:
+        return f"q in one of {DTYPES}, k and v in {kv}, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.shape[3] > MAX_HEAD_DIM:
         return f"head dimension {q.shape[3]} > {MAX_HEAD_DIM}"
     if mask is not None and mask.dtype != torch.bool and not mask.dtype.is_floating_point:
@@ -185,11 +226,18 @@ def splits_for(programs: int, keys: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(keys, BLOCK_N), triton.cdiv(4 * sms, programs), MAX_SPLITS))
 
 
-def _triton(q, k, v, mask, scale: float, splits: int | None = None) -> torch.Tensor:
+def _triton(q, k, v, mask, scale: float, splits: int | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     batch = _batch(q, k, v, mask)
     _, kvh, rep, d = q.shape
     s = k.shape[2]
     q, k, v = (t.expand(batch, *t.shape[1:]) for t in (q, k, v))
+    fp8 = k_scale is not None
+    if fp8:  # bytes: the kernel decodes e4m3 itself
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+        scales = (k_scale.reshape(-1), v_scale.reshape(-1))
+        s_strides = tuple(int(t.numel() > 1) for t in scales)
+    else:
+        scales, s_strides = (q, q), (0, 0)
     out = torch.empty(batch, kvh, rep, d, dtype=q.dtype, device=q.device)
     if mask is None:
         kind, mask, m_strides = 0, q, (0, 0)
@@ -206,56 +254,72 @@ def _triton(q, k, v, mask, scale: float, splits: int | None = None) -> torch.Ten
     acc = out if direct else torch.empty(batch * kvh * splits * block_m * block_d, dtype=torch.float32,
                                          device=q.device)
     ml = out if direct else torch.empty(batch * kvh * splits * 2 * block_m, dtype=torch.float32, device=q.device)
-    pdl = _pdl(q.device)
+    pdl, emu = _pdl(q.device), interpreting() and q.dtype == torch.bfloat16
     launch = {"launch_pdl": True} if pdl else {}
     _split_kernel[(batch * kvh, splits)](
-        q, k, v, mask, out, acc, ml, scale, s, rep, d, kvh, chunk, *q.stride(), *k.stride(), *v.stride(),
-        *m_strides, *out.stride(), MASK_KIND=kind, DIRECT=direct, IEEE=q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16), PDL=pdl,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, num_warps=4, **launch)
+        q, k, v, mask, out, acc, ml, *scales, scale, s, rep, d, kvh, chunk, *q.stride(), *k.stride(),
+        *v.stride(), *m_strides, *out.stride(), *s_strides, MASK_KIND=kind, KV_FP8=fp8, DIRECT=direct,
+        IEEE=q.dtype == torch.float32 or emu, EMU_BF16=emu, NATIVE_FP8=not interpreting(), PDL=pdl,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_D=block_d, num_warps=4, **launch)
     if not direct:
         block_s = triton.next_power_of_2(splits)
-        _merge_kernel[(batch * kvh, rep)](acc, ml, out, rep, d, kvh, splits, *out.stride(), PDL=pdl,
-                                          BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s,
+        _merge_kernel[(batch * kvh, rep)](acc, ml, out, rep, d, kvh, splits, *out.stride(), EMU_BF16=emu,
+                                          PDL=pdl, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s,
                                           num_warps=4 if block_s * block_d <= 8192 else 8, **launch)
     return out
 
 
-def reference(q, k, v, mask=None, scale: float | None = None) -> torch.Tensor:
-    """SDPA on the same tensors: what the op computes."""
+def dequantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dtype(fp8 * scale)``, as the FP8 cache's ``dequantize_kv`` (``qcompile/kv_cache.py``) computes it."""
+    return t.to(dtype).mul_(scale)
+
+
+def reference(q, k, v, mask=None, scale: float | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
+    """SDPA on the same tensors (fp8 keys and values dequantized first): what the op computes."""
+    if k_scale is not None:
+        k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 @torch.library.custom_op(OP, mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for a group's query rows ``q`` (b, kv_heads, rep, d) against the key /
     value heads ``k``, ``v`` (b, kv_heads, S, d); ``mask`` (b, 1, 1, S) boolean or additive, or None; ``scale``
-    None is 1 / sqrt(d). Returns (b, kv_heads, rep, d) in q's dtype."""
-    _check(q, k, v, mask)
-    if triton_reason(q, k, v, mask) is None:
-        return _triton(q, k, v, mask, 1.0 / math.sqrt(q.shape[3]) if scale is None else scale)
-    return reference(q, k, v, mask, scale).contiguous()
+    None is 1 / sqrt(d). With ``k_scale`` / ``v_scale`` (fp32, (1, kv_heads or 1, 1, 1)), ``k`` and ``v`` are an
+    FP8 cache's float8_e4m3fn codes, read as ``q.dtype(code * scale)``. Returns (b, kv_heads, rep, d) in q's
+    dtype."""
+    _check(q, k, v, mask, k_scale, v_scale)
+    if triton_reason(q, k, v, mask, k_scale is not None) is None:
+        return _triton(q, k, v, mask, 1.0 / math.sqrt(q.shape[3]) if scale is None else scale, None, k_scale,
+                       v_scale)
+    return reference(q, k, v, mask, scale, k_scale, v_scale).contiguous()
 
 
 @decode_attention.register_fake
-def _(q, k, v, mask=None, scale=None):
-    _check(q, k, v, mask)
+def _(q, k, v, mask=None, scale=None, k_scale=None, v_scale=None):
+    _check(q, k, v, mask, k_scale, v_scale)
     return q.new_empty(_batch(q, k, v, mask), *q.shape[1:])
 
 
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:3], inputs[3] if isinstance(inputs[3], torch.Tensor) else None)
     ctx.scale = inputs[4]
+    ctx.fp8 = inputs[5] is not None
 
 
 def _backward(ctx, grad):
+    if ctx.fp8:
+        raise NotImplementedError(f"{OP}: no gradient through fp8 keys and values (an FP8 cache is for inference)")
     q, k, v, mask = ctx.saved_tensors
     with torch.enable_grad():
         q_, k_, v_ = (t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3]))
         out = reference(q_, k_, v_, mask, ctx.scale)
         wanted = [t for t in (q_, k_, v_) if t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-    return (*(next(grads) if need else None for need in ctx.needs_input_grad[:3]), None, None)
+    return (*(next(grads) if need else None for need in ctx.needs_input_grad[:3]), None, None, None, None)
 
 
 decode_attention.register_autograd(_backward, setup_context=_setup)

@@ -40,9 +40,23 @@ def make(b=1, kvh=2, rep=4, s=200, d=64, dtype=torch.float32, mask="bool", qb=No
     return q, k, v, None if m is None else m.to(device, dtype if m.dtype.is_floating_point else torch.bool)
 
 
-def oracle(q, k, v, mask, scale=None):
-    """SDPA's math in fp32."""
+def fp8_kv(k, v, per_head=True, seed=1):
+    """An FP8 cache's codes and scales of ``k`` and ``v``: (k codes, v codes, k_scale, v_scale), scales fp32
+    (1, kv_heads or 1, 1, 1), quantized by the cache's own quantize_kv."""
+    from qcompile.kv_cache import quantize_kv
+
+    heads = k.shape[1] if per_head else 1
+    g = torch.Generator().manual_seed(seed)
+    scales = [(0.5 + torch.rand(1, heads, 1, 1, generator=g)).to(k.device) * t.float().abs().amax() / 448
+              for t in (k, v)]
+    return quantize_kv(k, scales[0]), quantize_kv(v, scales[1]), *scales
+
+
+def oracle(q, k, v, mask, scale=None, k_scale=None, v_scale=None):
+    """SDPA's math in fp32 (on the FP8 cache's dequantized read in q's dtype, upcast)."""
     m = mask if mask is None or mask.dtype == torch.bool else mask.float()
+    if k_scale is not None:
+        k, v = at.dequantize(k, k_scale, q.dtype), at.dequantize(v, v_scale, q.dtype)
     return at.reference(q.float(), k.float(), v.float(), m, scale)
 
 
@@ -59,9 +73,20 @@ def test_op_is_sdpa_on_the_cpu(mask):
 
 
 def test_opcheck():
+    from tests.opcheck_util import opcheck
+
     q, k, v, m = make(s=16, d=8, mask="bool")
     torch.library.opcheck(at.decode_attention, (q, k, v, m, None))
     torch.library.opcheck(at.decode_attention, make(s=16, d=8, mask=None)[:3] + (None, 0.5))
+    opcheck(at.decode_attention, (q, *fp8_kv(k, v)[:2], m, None, *fp8_kv(k, v)[2:]))
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_fp8_keys_and_values_are_the_caches_dequantized_read(per_head):
+    q, k, v, m = make(mask="bool", dtype=torch.bfloat16)
+    kq, vq, ks, vs = fp8_kv(k, v, per_head)
+    want = at.reference(q, at.dequantize(kq, ks, q.dtype), at.dequantize(vq, vs, q.dtype), m)
+    assert torch.equal(at.decode_attention(q, kq, vq, m, None, ks, vs), want)
 
 
 def test_gradient_is_sdpas():
@@ -78,12 +103,18 @@ def test_gradient_is_sdpas():
     (dict(k=torch.zeros(1, 3, 16, 8)), "do not share"),
     (dict(mask=torch.ones(1, 2, 1, 16, dtype=torch.bool)), "shared by all heads"),
     (dict(q=torch.zeros(2, 4, 8)), "(batch, kv_heads, rows, head_dim)"),
+    (dict(k_scale=torch.ones(1, 1, 1, 1)), "take a k_scale and a v_scale"),
+    (dict(k_scale=torch.ones(1, 1, 1, 1), v_scale=torch.ones(1, 1, 1, 1)), "k is float8_e4m3fn"),
+    (dict(fp8=True, v_scale=torch.ones(1, 3, 1, 1)), "v_scale fp32 (1, 2 or 1, 1, 1)"),
 ])
 def test_rejects_bad_shapes(bad, msg):
     q, k, v, m = make(s=16, d=8)
-    args = {**dict(q=q, k=k, v=v, mask=m), **bad}
+    kq, vq, ks, vs = fp8_kv(k, v)
+    fp8 = bad.pop("fp8", False)
+    args = {**dict(q=q, k=kq if fp8 else k, v=vq if fp8 else v, mask=m, k_scale=ks if fp8 else None,
+                   v_scale=vs if fp8 else None), **bad}
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-        at.decode_attention(args["q"], args["k"], args["v"], args["mask"])
+        at.decode_attention(args["q"], args["k"], args["v"], args["mask"], None, args["k_scale"], args["v_scale"])
 
 
 # -- the Triton kernels under the interpreter (subprocess: TRITON_INTERPRET is read at import) ----------------
@@ -98,19 +129,33 @@ CASES = {  # name: make() arguments, splits (None: the op's choice)
     "fp16-rep8-d128": (dict(rep=8, d=128, s=300, dtype=torch.float16), None),
     "mask-of-batch-2": (dict(b=2, kvh=1, rep=2, s=130), None),
     "most-splits": (dict(kvh=1, rep=2, s=64 * at.MAX_SPLITS + 5, d=16), 10 ** 6),
+    "fp8-per-head-bf16": (dict(dtype=torch.bfloat16, fp8="head"), 3),
+    "fp8-per-layer-fp32-one-split": (dict(fp8="layer"), 1),
 }
+
+
+def case_inputs(kw):
+    """(q, k, v, mask, k_scale, v_scale) of a CASES entry: fp8 = "head" / "layer" for an FP8 cache's codes."""
+    kw = dict(kw)
+    fp8 = kw.pop("fp8", None)
+    q, k, v, m = make(**kw)
+    if fp8 is None:
+        return q, k, v, m, None, None
+    kq, vq, ks, vs = fp8_kv(k, v, fp8 == "head")
+    return q, kq, vq, m, ks, vs
 
 INTERPRETER_SCRIPT = textwrap.dedent("""
     import json, os, torch
     assert os.environ["TRITON_INTERPRET"] == "1"
     from qcompile.kernels import attention as at
-    from tests.kernels.test_attention import CASES, make, oracle
+    from tests.kernels.test_attention import CASES, case_inputs, oracle
     assert at.triton_reason(torch.empty(1, 1, 1, 8), torch.empty(1, 1, 1, 8), torch.empty(1, 1, 1, 8), None) is None
     res = {}
     for name, (kw, splits) in CASES.items():
-        q, k, v, m = make(**kw)
-        out = at._triton(q, k, v, m, 0.125, splits) if splits else at.decode_attention(q, k, v, m, 0.125)
-        want = oracle(q, k, v, m, 0.125)
+        q, k, v, m, ks, vs = case_inputs(kw)
+        out = at._triton(q, k, v, m, 0.125, splits, ks, vs) if splits else at.decode_attention(q, k, v, m, 0.125,
+                                                                                               ks, vs)
+        want = oracle(q, k, v, m, 0.125, ks, vs)
         res[name] = [(out.float() - want).abs().max().item(), want.abs().max().item(), list(out.shape),
                      str(out.dtype)]
     print(json.dumps(res))
@@ -132,7 +177,8 @@ def interpreter_results():
 def test_kernels_under_interpreter(interpreter_results, name):
     err, peak, shape, dtype = interpreter_results[name]
     kw = CASES[name][0]
-    want = oracle(*make(**kw), 0.125)
+    q, k, v, m, ks, vs = case_inputs(kw)
+    want = oracle(q, k, v, m, 0.125, ks, vs)
     assert shape == list(want.shape) and dtype == str(kw.get("dtype", torch.float32))
     assert err <= tol(kw.get("dtype", torch.float32), want), (name, err, peak)
 
@@ -156,15 +202,17 @@ def test_kernels_compile_for_sm90(pdl):
     ints = ("S", "REP", "D", "KVH", "chunk", "SPLITS") + tuple(
         f"s_{a}{b}" for a, dims in (("q", "bhrd"), ("k", "bhsd"), ("v", "bhsd"), ("m", "bs"), ("o", "bhrd"))
         for b in dims)
-    for kind in (0, 1, 2):
-        ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", MASK={0: "*bf16", 1: "*u8", 2: "*bf16"}[kind], OUT="*bf16",
-                    ACC="*fp32", ML="*fp32", scale="fp32")
+    ints += ("s_ksh", "s_vsh")
+    for kind, fp8 in ((0, False), (1, False), (2, False), (1, True)):
+        kv = "*u8" if fp8 else "*bf16"
+        ptrs = dict(Q="*bf16", K=kv, V=kv, MASK={0: "*bf16", 1: "*u8", 2: "*bf16"}[kind], OUT="*bf16",
+                    ACC="*fp32", ML="*fp32", KS="*fp32", VS="*fp32", scale="fp32")
         for direct in (False, True):
             _compile_sm90(at._split_kernel, ptrs, ints,
-                          dict(MASK_KIND=kind, DIRECT=direct, IEEE=False, PDL=pdl, BLOCK_M=16, BLOCK_N=at.BLOCK_N,
-                               BLOCK_D=128), num_warps=4, launch_pdl=pdl)
+                          dict(MASK_KIND=kind, KV_FP8=fp8, DIRECT=direct, IEEE=False, EMU_BF16=False,
+                               NATIVE_FP8=True, PDL=pdl, BLOCK_M=16, BLOCK_N=at.BLOCK_N, BLOCK_D=128), num_warps=4, launch_pdl=pdl)
     _compile_sm90(at._merge_kernel, dict(ACC="*fp32", ML="*fp32", OUT="*bf16"), ints,
-                  dict(PDL=pdl, BLOCK_M=16, BLOCK_D=128, BLOCK_S=16), num_warps=4, launch_pdl=pdl)
+                  dict(EMU_BF16=False, PDL=pdl, BLOCK_M=16, BLOCK_D=128, BLOCK_S=16), num_warps=4, launch_pdl=pdl)
 
 
 # -- on the GPU -----------------------------------------------------------------------------------------------
@@ -184,6 +232,18 @@ def test_gpu_matches_sdpa(dtype, shape, mask):
     out = at.decode_attention(q, k, v, m, None)
     want = oracle(q, k, v, m)
     assert out.dtype == dtype and out.shape == want.shape
+    torch.testing.assert_close(out.float(), want, atol=tol(dtype, want), rtol=0)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("per_head", [True, False])
+def test_gpu_fp8_cache_matches_its_dequantized_read(dtype, per_head):
+    q, k, v, m = make(b=1, kvh=8, rep=4, s=2048, d=128, dtype=dtype, device="cuda")
+    kq, vq, ks, vs = fp8_kv(k, v, per_head)
+    assert at.triton_reason(q, kq, vq, m, fp8_kv=True) is None
+    out = at.decode_attention(q, kq, vq, m, None, ks, vs)
+    want = oracle(q, kq, vq, m, None, ks, vs)
     torch.testing.assert_close(out.float(), want, atol=tol(dtype, want), rtol=0)
 
 
