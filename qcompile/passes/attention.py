@@ -13,8 +13,10 @@ group become that group's query rows,
 which is exact (query head ``j`` reads key / value head ``j // rep`` either way; each query row is softmaxed on
 its own). The grouped call is ``qcompile::decode_attention`` (``qcompile/kernels/attention.py``: on CUDA a
 split-over-the-keys Triton kernel that skips the blocks the mask hides, SDPA elsewhere), or SDPA itself where
-query, keys or values need a gradient. It applies where the mask is absent or shared by all heads (``(b, 1, 1, S)``, what transformers
-passes), dropout is 0 and ``is_causal`` is off; anything else is left as it is. Prefill (more than one query
+query, keys or values need a gradient. Where keys and values are an FP8 cache's dequantized read
+(``codes.to(dtype).mul_(scale)``, ``qcompile/kv_cache.py``), the op takes the fp8 codes and the scales instead and
+the dequantized copy of the cache is not made. It applies where the mask is absent or shared by all heads
+(``(b, 1, 1, S)``, what transformers passes), dropout is 0 and ``is_causal`` is off; anything else is left as it is. Prefill (more than one query
 token) is left to SDPA's own kernels. ``backend(gqa_decode=False)`` turns the pass off.
 """
 
@@ -60,6 +62,26 @@ def _repeated(node) -> tuple[fx.Node, list[fx.Node]] | None:
     return src, [node, expand, index]
 
 
+def _fp8_dequantized(node, dtype) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """(the fp8 codes, the scale, the dequantizing nodes) when ``node`` is the FP8 cache's read of a layer,
+    ``codes.to(dtype).mul_(scale)`` (``qcompile.kv_cache.dequantize_kv``): float8_e4m3fn codes, an fp32 scale
+    of shape (1, heads or 1, 1, 1)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target in ("mul_", "mul")
+            and len(node.args) == 2 and not node.kwargs):
+        return None
+    cast, scale = node.args
+    if not (isinstance(cast, fx.Node) and cast.op == "call_method" and cast.target == "to" and len(cast.args) == 2
+            and not cast.kwargs and isinstance(scale, fx.Node) and len(cast.users) == 1):
+        return None
+    codes, s, out = example(cast.args[0]), example(scale), example(node)
+    if codes is None or s is None or out is None or codes.dtype != torch.float8_e4m3fn or out.dtype != dtype:
+        return None
+    if s.dtype != torch.float32 or s.dim() != 4 or s.shape[0] != 1 or s.shape[2:] != (1, 1) \
+            or s.shape[1] not in (1, codes.shape[1]):
+        return None
+    return cast.args[0], scale, [node, cast]
+
+
 def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
     """Rewrite every one-token grouped-query SDPA call of ``gm`` in place (see the module doc). Returns no
     explain rows (the table lists quantized layers); logs each rewrite."""
@@ -95,11 +117,18 @@ def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
                     kwargs["scale"] = args["scale"]
                 out = graph.call_function(node.target, (grouped, k[0], v[0]), kwargs)
             else:
-                out = graph.call_function(decode_attention, (grouped, k[0], v[0], mask, args.get("scale")))
+                kv, extra = (k[0], v[0]), []
+                fp8 = [_fp8_dequantized(x, q.dtype) for x in kv]
+                if all(fp8):  # an FP8 cache: the kernel reads the codes and dequantizes in registers
+                    kv, extra = (fp8[0][0], fp8[1][0]), fp8[0][2] + fp8[1][2]
+                    out = graph.call_function(decode_attention, (grouped, *kv, mask, args.get("scale"), fp8[0][1],
+                                                                 fp8[1][1]))
+                else:
+                    out = graph.call_function(decode_attention, (grouped, *kv, mask, args.get("scale")))
             back = graph.call_method("reshape", (out, *shape))
         node.replace_all_uses_with(back)
         graph.erase_node(node)
-        for dead in dict.fromkeys(k[1] + v[1]):  # key and value may share one repeat
+        for dead in dict.fromkeys(k[1] + v[1] + ([] if grad else extra)):  # key and value may share one repeat
             if not dead.users:
                 graph.erase_node(dead)
         count += 1

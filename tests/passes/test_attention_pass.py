@@ -355,3 +355,40 @@ def test_calls_that_need_a_gradient_keep_sdpa():
     want = q.detach().clone().requires_grad_(True)
     module(want, k, v, _shared_mask("bool")).sum().backward()
     torch.testing.assert_close(q.grad, want.grad, **TOL)
+
+
+def test_fp8_cache_reads_its_codes(llama):
+    """Over an FP8 cache the op takes the fp8 codes and the scales, the dequantized copy of the cache is gone,
+    and the logits are the eager model's (dequantized read, repeat_kv, SDPA)."""
+    from qcompile.kv_cache import FP8Cache
+
+    model, ids = llama(1), IDS[:1]
+
+    def decode(options):
+        cache = FP8Cache(model, max_cache_len=ids.shape[1] + 4, scales="dynamic")
+        kw = cache_kwargs(model, cache)
+
+        def step(tok, pos):
+            return model(input_ids=tok, cache_position=pos, use_cache=True, **kw).logits
+
+        graphs = []
+        if options is not None:
+            torch._dynamo.reset()
+            be = qcompile.backend(inner="eager", on_graph=lambda before, after: graphs.append((before, after)))
+            step = torch.compile(step, backend=be, fullgraph=True, dynamic=False)
+        with torch.no_grad():
+            logits = model(input_ids=ids, cache_position=torch.arange(ids.shape[1]), use_cache=True, **kw).logits
+            out = [step(logits[:, -1:].argmax(-1), torch.tensor([ids.shape[1]]))]
+            out.append(step(out[-1][:, -1:].argmax(-1), torch.tensor([ids.shape[1] + 1])))
+        return torch.cat(out, 1), graphs
+
+    want, _ = decode(None)
+    got, graphs = decode({})
+    torch.testing.assert_close(got, want, **TOL)
+    before, after = graphs[0]
+    diff = graph_diff(before, after)
+    layer = r"\w*cache_layers_0_"
+    assert re.search(rf"decode_attention\.default\(\w+, {layer}keys, {layer}values, \w+, 0\.25, {layer}k_scale, "
+                     rf"{layer}v_scale\)", after), after
+    dequantized = rf"{layer}(?:keys|values)\.to\(|\.mul_\({layer}[kv]_scale\)"
+    assert len(re.findall(dequantized, before)) == 4 and not re.findall(dequantized, after), diff
