@@ -13,6 +13,11 @@ each read another layer's cache (enough copies for 200 MB, four times the L2, so
   decode-attention pass called before it had a kernel);
 - ``qcompile::decode_attention``: the op the decode-attention pass calls now.
 
+With ``--fp8`` the same over an FP8 cache (float8_e4m3fn codes, one fp32 scale per key / value head): ``FP8
+read + SDPA, grouped`` dequantizes the layer's keys and values as the cache's read does (``dequantize_kv``),
+then SDPA on the key / value heads; ``decode_attention, fp8`` reads the codes and scales itself. Their floor
+counts one byte per element.
+
 The floor is the bytes of the written positions' keys and values over the read bandwidth measured in the same
 run (a sum over 2 GiB). Each row also checks the op against SDPA (fp32 math) on its first cache.
 ``--dry-run``: tiny shapes on the CPU, wall clock: a smoke test of this script, not a measurement.
@@ -60,7 +65,8 @@ def wall_us(fn, calls: int) -> float:
     return statistics.median(times)
 
 
-def case(shape: str, batch: int, cache: int, used: int, device: str, dtype, dry: bool, sweep=()) -> dict:
+def case(shape: str, batch: int, cache: int, used: int, device: str, dtype, dry: bool, sweep=(),
+         fp8: bool = False) -> dict:
     heads, kvh, d = SHAPES[shape]
     rep = heads // kvh
     kv_bytes = 2 * batch * kvh * cache * d * torch.finfo(dtype).bits // 8
@@ -95,6 +101,28 @@ def case(shape: str, batch: int, cache: int, used: int, device: str, dtype, dry:
     row = dict(shape=shape, batch=batch, cache=cache, used=used, kv_heads=kvh, rep=rep, head_dim=d,
                max_abs_err=err, floor_bytes=2 * batch * kvh * used * d * torch.finfo(dtype).bits // 8)
     fns = [("SDPA, repeat_kv", repeated), ("SDPA, grouped", sdpa_grouped), ("qcompile::decode_attention", ours)]
+    if fp8:
+        from qcompile.kv_cache import dequantize_kv, quantize_kv
+
+        scales = [(0.5 + torch.rand(1, kvh, 1, 1, generator=g)).to(device) / 100 for _ in range(2)]
+        codes = [(quantize_kv(k, scales[0]), quantize_kv(v, scales[1])) for k, v in zip(ks, vs)]
+        it8 = iter(range(1 << 62))
+
+        def pick8():
+            return codes[next(it8) % copies]
+
+        def fp8_read_sdpa():
+            k, v = pick8()
+            return F.scaled_dot_product_attention(grouped, dequantize_kv(k, scales[0], dtype),
+                                                  dequantize_kv(v, scales[1], dtype), attn_mask=mask)
+
+        def ours8():
+            return at.decode_attention(grouped, *pick8(), mask, None, *scales)
+
+        fns += [("FP8 read + SDPA, grouped", fp8_read_sdpa), ("decode_attention, fp8", ours8)]
+        want8 = at.reference(grouped, *codes[0], mask, None, *scales).float()
+        row["fp8_max_abs_err"] = (at.decode_attention(grouped, *codes[0], mask, None, *scales).float()
+                                  - want8).abs().max().item()
     for splits in sweep if at.triton_reason(grouped, ks[0], vs[0], mask) is None else ():
         fns.append((f"splits={splits}", lambda splits=splits: at._triton(grouped, *pick(), mask, d ** -0.5, splits)))
     for name, fn in fns:
@@ -106,17 +134,19 @@ def case(shape: str, batch: int, cache: int, used: int, device: str, dtype, dry:
 
 
 COLUMNS = ("SDPA, repeat_kv", "SDPA, grouped", "qcompile::decode_attention")
+FP8_COLUMNS = ("FP8 read + SDPA, grouped", "decode_attention, fp8")
 
 
 def markdown(rows: list[dict], bw: float | None) -> str:
-    head = "| shape (heads / kv heads) | batch | cache: written / length | " + " | ".join(COLUMNS)
-    lines = [head + (" | floor |" if bw else " |"), "|" + " --- |" * (len(COLUMNS) + 3 + bool(bw))]
+    columns = COLUMNS + (FP8_COLUMNS if rows and FP8_COLUMNS[0] in rows[0] else ())
+    head = "| shape (heads / kv heads) | batch | cache: written / length | " + " | ".join(columns)
+    lines = [head + (" | floor |" if bw else " |"), "|" + " --- |" * (len(columns) + 3 + bool(bw))]
     for r in rows:
-        cells = [f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS]
+        cells = [f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in columns]
         floor = r["floor_bytes"] / (bw * 1e9) * 1e6 if bw else None
         if floor:
-            cells = [c + (f" ({floor / r[n] * 100:.0f} %)" if isinstance(r[n], float) else "")
-                     for c, n in zip(cells, COLUMNS)]
+            cells = [c + (f" ({floor / r[n] * 100 / (2 if n in FP8_COLUMNS else 1):.0f} %)"
+                          if isinstance(r[n], float) else "") for c, n in zip(cells, columns)]
         lines.append(f"| {r['shape']} ({r['kv_heads'] * r['rep']} / {r['kv_heads']}) | {r['batch']} | "
                      f"{r['used']} / {r['cache']} | " + " | ".join(cells) + (f" | {floor:.2f} |" if floor else " |"))
     return "\n".join(lines)
@@ -132,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--sweep", nargs="*", type=int, default=[], metavar="SPLITS",
                    help="also time the kernel at these splits per key / value head (JSON and stderr only)")
+    p.add_argument("--fp8", action="store_true", help="also over an FP8 cache (codes and per-head scales)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, wall clock: a smoke test")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -149,7 +180,7 @@ def main(argv=None) -> int:
         for shape in shapes:
             for batch in args.batch:
                 for cache, used in caches:
-                    rows.append(case(shape, batch, cache, used, device, dtype, args.dry_run, args.sweep))
+                    rows.append(case(shape, batch, cache, used, device, dtype, args.dry_run, args.sweep, args.fp8))
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(f"{label}; bf16; read bandwidth {bw:.0f} GB/s" if bw else label)
     print(markdown(rows, bw))

@@ -93,7 +93,11 @@ class Decoder:
             return model(input_ids=tok, position_ids=pos, use_cache=True, **kw).logits
 
         # dynamic=False: the two caches' steps share one code object; no shape may turn symbolic
-        self.step = torch.compile(step, mode=args.compile_mode, backend=args.backend, fullgraph=args.fullgraph,
+        backend = args.backend
+        if backend == "qcompile":  # its passes (one-token attention reads the fp8 codes), CUDA graphs on a GPU
+            import qcompile
+            backend = qcompile.backend(cudagraphs=cuda)
+        self.step = torch.compile(step, mode=args.compile_mode, backend=backend, fullgraph=args.fullgraph,
                                   dynamic=False)
         # the same first step for both caches; a contiguous token, as argmax's later ones are (no recompile)
         self.tok, self.pos = ids[:, -1:].clone(memory_format=torch.contiguous_format), context
@@ -178,7 +182,8 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", type=int, default=64, help="decode steps per timed round")
     p.add_argument("--reps", type=int, default=5, help="timed rounds per cache (interleaved; median)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--backend", default="inductor", help="torch.compile backend")
+    p.add_argument("--backend", default="inductor",
+                   help="torch.compile backend; qcompile: qcompile.backend(cudagraphs=True) on a GPU")
     p.add_argument("--compile-mode", default=None,
                    help='torch.compile mode; default "reduce-overhead" (CUDA graphs) on cuda, none on cpu')
     p.add_argument("--fullgraph", action="store_true", help="torch.compile(fullgraph=True)")

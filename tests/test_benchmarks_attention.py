@@ -13,11 +13,13 @@ import bench_attention as bench  # noqa: E402
 
 def test_bench_attention_dry_run(tmp_path, capsys):
     out = tmp_path / "attention.json"
-    assert bench.main(["--dry-run", "--batch", "1", "2", "--sweep", "1", "2", "--json", str(out)]) == 0
+    assert bench.main(["--dry-run", "--batch", "1", "2", "--sweep", "1", "2", "--fp8", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert "dry run" in result["device"] and len(result["rows"]) == 2
     for row in result["rows"]:
         assert row["max_abs_err"] < 1e-2  # bf16 against SDPA's fp32 math
-        assert all(isinstance(row[c], float) for c in bench.COLUMNS), row
+        assert all(isinstance(row[c], float) for c in bench.COLUMNS + bench.FP8_COLUMNS), row
+        assert row["fp8_max_abs_err"] < 1e-2
         assert "splits=1" not in row  # no Triton kernel on the CPU outside the interpreter: no sweep
-    assert "| tiny (4 / 2) | 2 | 40 / 64 |" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "| tiny (4 / 2) | 2 | 40 / 64 |" in table and "decode_attention, fp8 |" in table
