@@ -33,12 +33,14 @@ as ``fp8 · s_k``, values alike; values past ±448 · s saturate, as in vLLM. Wh
   for later tokens. Kept once measured, ``reset()`` included; a new cache measures again.
 
 Attention reads the cache dequantized: every update returns the whole cache as model-dtype tensors
-(``fp8 · s``) and the model's own attention (sdpa / eager / ...) runs on them. No attention kernel
-that reads fp8 K/V with scales is available to it: there is none on CPU, and SDPA (every backend,
-CUDA included) takes K and V in the query's dtype. So dequantizing is a pass of its own (one fused
-elementwise kernel under torch.compile), one layer at a time: the cache's memory halves, but a
-decode step reads the fp8 cache and writes and reads a model-dtype copy of one layer's K/V — more
-traffic than a bf16 cache (``benchmarks/kv_cache.py`` measures what that costs).
+(``fp8 · s``) and the model's own attention (sdpa / eager / ...) runs on them; SDPA (every backend,
+CUDA included) takes K and V in the query's dtype. Eager, that is a dequantized copy of one layer's
+K/V per step. Compiled with qcompile, the decode-attention pass finds that read and hands the fp8
+codes and the scales to ``qcompile::decode_attention``, which dequantizes block by block in registers
+(on CUDA; SDPA on the dequantized read elsewhere): no copy of the cache is made. On CUDA under
+inductor the update (``index_copy_`` through uint8 views: there is no float8 ``index_copy_`` on
+either device) is not done in place, and inductor copies the layer's whole cache out and back every
+step (``benchmarks/kv_cache.py`` measures what the FP8 cache costs against a bf16 one).
 
 Supported: decoder models whose layers are all full attention (no sliding-window or chunked
 layers), one scale per layer or per KV head.
