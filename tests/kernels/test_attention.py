@@ -8,19 +8,14 @@ inputs upcast to fp32, 1 % of the output's largest value (bf16's 8 bits: ~0.4 % 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from qcompile.kernels import attention as at
+from tests.interpreter_util import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 gpu = pytest.mark.gpu
 
 
@@ -166,11 +161,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
 def interpreter_results():
     if not at.HAS_TRITON:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], check=False, env=env, capture_output=True,
-                          text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(INTERPRETER_SCRIPT, timeout=600)
 
 
 @pytest.mark.parametrize("name", CASES)

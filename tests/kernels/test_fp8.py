@@ -6,12 +6,7 @@ the emulated backend on fresh random data and are skipped without CUDA.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +16,8 @@ from qcompile.kernels import fp8, quant_math, registry
 from qcompile.kernels import fp8_quant_triton as fq
 from qcompile.kernels.registry import KernelQuery
 from qcompile.scheme import NVFP4_ACT, NVFP4_WEIGHT, Granularity, QuantScheme, fp8_scheme
+from tests.interpreter_util import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 WEIGHTS = ("tensor", "channel", "block")
 ACTS = ("static_tensor", "dynamic_tensor", "dynamic_token", "dynamic_group")
 RECIPES = [(w, a) for w in WEIGHTS for a in ACTS]
@@ -277,11 +272,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
 def test_triton_quant_kernels_under_interpreter():
     """Each Triton kernel (interpreter, bit-level e4m3 encode) vs the torch reference: scales and fp8
     bytes equal exactly; the epilogue to 1 ulp (the interpreter truncates fp32 -> bf16)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_interpreted(INTERPRETER_SCRIPT, timeout=300)
     failed = [name for name, ok in res.items() if not ok]
     assert not failed, failed
 

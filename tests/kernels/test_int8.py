@@ -3,11 +3,6 @@ the GPU. The int32 products are exact, so the op equals the reference up to fp32
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +15,8 @@ from qcompile.kernels import quant_math
 from qcompile.kernels.registry import KernelQuery, select
 from qcompile.scheme import ActSpec, Granularity, QDtype, QuantScheme, ScaleSpec, WeightSpec
 from tests.opcheck_util import opcheck
+from tests.interpreter_util import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 ACTS = ("static_tensor", "dynamic_tensor", "dynamic_token")
 
 
@@ -112,11 +107,7 @@ print(json.dumps(res))
 @pytest.mark.skipif(not fq.HAS_TRITON, reason="triton is not installed")
 def test_int8_quant_kernels_under_interpreter():
     """The INT8 recipes of the Triton activation-quant kernels equal the torch reference bit for bit."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_interpreted(INTERPRETER_SCRIPT, timeout=300)
     assert all(res.values()), res
 
 

@@ -18,11 +18,7 @@ weighting errs by O(1). The GPU tests compare with the reference on the CPU copy
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,8 +31,8 @@ from qcompile.kernels import quant_math
 from qcompile.scheme import ActSpec, Granularity, QDtype, QuantScheme, ScaleSpec, WeightSpec, fp8_scheme
 from tests.gpu_util import graph_replay
 from tests.opcheck_util import opcheck
+from tests.interpreter_util import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def int8_scheme(weight: str, act: str) -> str:
@@ -507,11 +503,7 @@ PIPELINE_CASES.update({
 def interpreter_results():
     if not mk.HAS_TRITON:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], check=False, env=env, capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(INTERPRETER_SCRIPT, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(align_cases()))

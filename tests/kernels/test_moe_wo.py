@@ -20,10 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 import types
 import warnings
@@ -45,8 +42,8 @@ from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT
 from tests.kernels.test_wo_gemm import SPECS, _int, rtn_quantize
 from tests.gpu_util import graph_replay
 from tests.opcheck_util import opcheck
+from tests.interpreter_util import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 
 FORMATS = {  # every weight-only format a MoE producer writes, and the variants the kernel decodes
     "int4_g128": SPECS["int4_g128"],  # compressed-tensors W4A16 (llm-compressor GPTQ)
@@ -490,11 +487,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
 def interpreter_results():
     if not mw.HAS_TRITON:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], check=False, env=env, capture_output=True,
-                          text=True, timeout=900, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(INTERPRETER_SCRIPT, timeout=900)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -145,13 +145,14 @@ def llama_model(config):
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
 
 
-def greedy_decode(model, ids: torch.Tensor, steps: int, options: dict | None):
+def greedy_decode(model, ids: torch.Tensor, steps: int, options: dict | None, make_cache=None):
     """(logits of ``steps`` greedy decode steps after an eager prefill of ``ids``, graphs): each step compiled by
-    ``qcompile.backend(**options)`` (fullgraph, static shapes), or eager where ``options`` is None."""
+    ``qcompile.backend(**options)`` (fullgraph, static shapes), or eager where ``options`` is None. The cache:
+    ``make_cache(max_cache_len)``, or transformers' StaticCache."""
     from transformers import StaticCache
 
     n = ids.shape[1]
-    cache = StaticCache(config=model.config, max_cache_len=n + steps + 2)
+    cache = (make_cache or (lambda length: StaticCache(config=model.config, max_cache_len=length)))(n + steps + 2)
     kw = cache_kwargs(model, cache)
 
     def step(tok, pos):
@@ -362,28 +363,13 @@ def test_fp8_cache_reads_its_codes(llama):
     and the logits are the eager model's (dequantized read, repeat_kv, SDPA)."""
     from qcompile.kv_cache import FP8Cache
 
-    model, ids = llama(1), IDS[:1]
+    model = llama(1)
 
-    def decode(options):
-        cache = FP8Cache(model, max_cache_len=ids.shape[1] + 4, scales="dynamic")
-        kw = cache_kwargs(model, cache)
+    def fp8(length):
+        return FP8Cache(model, max_cache_len=length, scales="dynamic")
 
-        def step(tok, pos):
-            return model(input_ids=tok, cache_position=pos, use_cache=True, **kw).logits
-
-        graphs = []
-        if options is not None:
-            torch._dynamo.reset()
-            be = qcompile.backend(inner="eager", on_graph=lambda before, after: graphs.append((before, after)))
-            step = torch.compile(step, backend=be, fullgraph=True, dynamic=False)
-        with torch.no_grad():
-            logits = model(input_ids=ids, cache_position=torch.arange(ids.shape[1]), use_cache=True, **kw).logits
-            out = [step(logits[:, -1:].argmax(-1), torch.tensor([ids.shape[1]]))]
-            out.append(step(out[-1][:, -1:].argmax(-1), torch.tensor([ids.shape[1] + 1])))
-        return torch.cat(out, 1), graphs
-
-    want, _ = decode(None)
-    got, graphs = decode({})
+    want, _ = greedy_decode(model, IDS[:1], 2, None, fp8)
+    got, graphs = greedy_decode(model, IDS[:1], 2, {}, fp8)
     torch.testing.assert_close(got, want, **TOL)
     before, after = graphs[0]
     diff = graph_diff(before, after)

@@ -1,0 +1,21 @@
+"""Run a test script under the Triton interpreter, in a subprocess: TRITON_INTERPRET is read when triton is
+imported, so the process that sets it must import triton (and the kernels) afresh."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_interpreted(script: str, timeout: int) -> dict:
+    """The JSON object ``script`` prints last, run with TRITON_INTERPRET=1 from the repository root."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
