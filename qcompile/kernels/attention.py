@@ -18,6 +18,10 @@ query token, puts few thread blocks to work.
 Rows every key of which is masked come out 0, as SDPA's math does. Elsewhere (the CPU, a head dimension over
 256, a dtype other than fp16 / bf16 / fp32, no Triton) the op is ``F.scaled_dot_product_attention`` on the
 same tensors; that is its reference too. Its gradient is SDPA's (the pass leaves calls that need one to SDPA).
+
+With ``k_scale`` / ``v_scale`` the keys and values are an FP8 KV cache's float8_e4m3fn codes
+(``qcompile/kv_cache.py``): the kernel dequantizes each block in registers exactly as the cache's read does,
+``dtype(code * scale)``, so the op equals SDPA on that read without the dequantized copy of the cache.
 """
 
 from __future__ import annotations
@@ -260,8 +264,7 @@ def _triton(q, k, v, mask, scale: float, splits: int | None = None, k_scale=None
         q, k, v, mask, out, acc, ml, *scales, scale, s, rep, d, kvh, chunk, *q.stride(), *k.stride(),
         *v.stride(), *m_strides, *out.stride(), *s_strides, MASK_KIND=kind, KV_FP8=fp8, DIRECT=direct,
         IEEE=q.dtype == torch.float32 or emu, EMU_BF16=emu, NATIVE_FP8=not interpreting(), PDL=pdl,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_D=block_d, num_warps=4, **launch)
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, num_warps=4, **launch)
     if not direct:
         block_s = triton.next_power_of_2(splits)
         _merge_kernel[(batch * kvh, rep)](acc, ml, out, rep, d, kvh, splits, *out.stride(), EMU_BF16=emu,

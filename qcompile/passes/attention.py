@@ -16,8 +16,9 @@ split-over-the-keys Triton kernel that skips the blocks the mask hides, SDPA els
 query, keys or values need a gradient. Where keys and values are an FP8 cache's dequantized read
 (``codes.to(dtype).mul_(scale)``, ``qcompile/kv_cache.py``), the op takes the fp8 codes and the scales instead and
 the dequantized copy of the cache is not made. It applies where the mask is absent or shared by all heads
-(``(b, 1, 1, S)``, what transformers passes), dropout is 0 and ``is_causal`` is off; anything else is left as it is. Prefill (more than one query
-token) is left to SDPA's own kernels. ``backend(gqa_decode=False)`` turns the pass off.
+(``(b, 1, 1, S)``, what transformers passes), dropout is 0 and ``is_causal`` is off; anything else is left as it
+is. Prefill (more than one query token) is left to SDPA's own kernels. ``backend(gqa_decode=False)`` turns the
+pass off.
 """
 
 from __future__ import annotations
