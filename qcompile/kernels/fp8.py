@@ -35,7 +35,7 @@ from ..scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, cano
 from . import fp8_quant_triton as fq
 from . import quant_math
 from .reference import register_straight_through
-from .registry import Kernel, KernelQuery, cuda_reason, register
+from .registry import Kernel, KernelQuery, cuda_reason, register, unknown_backend
 
 OP = "qcompile::fp8_linear"
 BACKENDS = ("emulated", "scaled_mm", "flashinfer")
@@ -245,7 +245,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     _validate(x, weight, weight_scale, input_scale, spec, scheme)
     impl = _IMPLS.get(backend)
     if impl is None:
-        raise UnsupportedError(f"unknown fp8_linear backend {backend!r}", where=OP, fix=f"use one of {BACKENDS}")
+        raise unknown_backend(OP, backend, BACKENDS)
     lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k).contiguous()
     if x2.shape[0] == 0:

@@ -32,7 +32,7 @@ from ..errors import UnsupportedError
 from ..scheme import Granularity, Packing, QDtype, QuantScheme, parse_scheme_key
 from .experts_ref import (ACTIVATIONS, NON_GATED, check_call, gated_activation, reference_experts,
                           register_straight_through)
-from .registry import Kernel, KernelQuery, register
+from .registry import Kernel, KernelQuery, register, unknown_backend
 
 OP = "qcompile::dyn4bit_moe"
 BACKENDS = ("reference", "kleidiai")
@@ -169,7 +169,7 @@ def dyn4bit_moe(
     """A layer of W4A8-int routed experts (module doc). ``backend``: "reference" (experts_ref's math, any
     device) or "kleidiai" (PyTorch's dynamic 4-bit matmul, CPU)."""
     if backend not in BACKENDS:
-        raise UnsupportedError(f"unknown dyn4bit_moe backend {backend!r}", where=OP, fix=f"use one of {BACKENDS}")
+        raise unknown_backend(OP, backend, BACKENDS)
     spec = parse_scheme_key(scheme)
     x = hidden_states
     w13, w2 = (w13_weight, w13_weight_scale), (w2_weight, w2_weight_scale)

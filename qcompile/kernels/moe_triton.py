@@ -64,7 +64,7 @@ from . import quant_math
 from .fp8_quant_triton import HAS_TRITON, interpreting, use_triton
 from .moe_config import (ACTIVATIONS, OP, GemmConfig, MoeConfig, MoeQuant, get_config, moe_quant,
                          normalize_config, tune)  # noqa: F401 - tune: part of this module's interface
-from .registry import Kernel, KernelQuery, cuda_reason, register
+from .registry import Kernel, KernelQuery, cuda_reason, register, unknown_backend
 from .moe_kernels import A_CODES, A_DYNAMIC, A_STATIC, G_BLOCK, G_ROW, G_TENSOR, INT8_MIN_SCALE, moe_align
 
 if HAS_TRITON:
@@ -339,7 +339,7 @@ def fused_moe_op(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_w
     ``backend``: "reference" (any device, :func:`fused_moe_reference`) or "triton" (:func:`fused_moe`).
     ``activation``: an :data:`ACTIVATIONS` name; "swigluoai:<alpha>:<limit>" for gpt-oss."""
     if backend not in BACKENDS:
-        raise UnsupportedError(f"unknown fused_moe backend {backend!r}", where=OP, fix=f"use one of {BACKENDS}")
+        raise unknown_backend(OP, backend, BACKENDS)
     if backend == "triton" and not use_triton(hidden_states):
         raise UnsupportedError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got "
                                f"{hidden_states.device}", where=OP, fix="use backend='reference'")

@@ -51,7 +51,7 @@ from .experts_ref import (ACTIVATIONS, NON_GATED, ROLES, check_call, is_gated, r
 from .fp8_quant_triton import HAS_TRITON, use_triton
 from . import quant_math
 from .moe_kernels import moe_align
-from .registry import HALF, Kernel, KernelQuery, cuda_reason, register
+from .registry import HALF, Kernel, KernelQuery, cuda_reason, register, unknown_backend
 from . import wo_tune
 from .wo_gemm import (_sm_count, dequantize_triton, fit_config, launch, layout_of, pick_config, splits,
                       triton_shape_reason, validate, wo_reason)
@@ -413,7 +413,7 @@ def wo_moe(
     """The experts layer of ``qcompile::experts_ref`` for weight-only schemes (module doc).
     ``backend``: "reference" (any device) or "triton" (CUDA, or CPU under the interpreter)."""
     if backend not in BACKENDS:
-        raise UnsupportedError(f"unknown wo_moe backend {backend!r}", where=OP, fix=f"use one of {BACKENDS}")
+        raise unknown_backend(OP, backend, BACKENDS)
     spec = parse_scheme_key(scheme)
     x = hidden_states
     w13 = (w13_weight, w13_weight_scale, w13_weight_global_scale, w13_weight_zero_point, w13_weight_g_idx)

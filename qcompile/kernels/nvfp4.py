@@ -29,7 +29,7 @@ from ..errors import UnsupportedError
 from ..scheme import NVFP4_ACT, NVFP4_WEIGHT, parse_scheme_key
 from . import quant_math
 from .reference import register_straight_through
-from .registry import Kernel, KernelQuery, cuda_reason, register
+from .registry import Kernel, KernelQuery, cuda_reason, register, unknown_backend
 
 OP = "qcompile::nvfp4_linear"
 BACKENDS = ("emulated", "flashinfer")
@@ -77,7 +77,7 @@ def nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         if bias is not None:
             out = out + bias.to(out.dtype)
     else:
-        raise UnsupportedError(f"unknown nvfp4_linear backend {backend!r}", where=OP, fix=f"use one of {BACKENDS}")
+        raise unknown_backend(OP, backend, BACKENDS)
     return out.reshape(*lead, n)
 
 

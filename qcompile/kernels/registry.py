@@ -29,6 +29,12 @@ from ..scheme import QuantScheme
 KINDS = ("linear", "experts")
 
 
+def unknown_backend(op: str, backend: str, backends) -> UnsupportedError:
+    """The error an op raises when called with a ``backend`` it does not have."""
+    return UnsupportedError(f"unknown {op.split('::')[-1]} backend {backend!r}", where=op,
+                            fix=f"use one of {backends}")
+
+
 @dataclass(frozen=True)
 class KernelQuery:
     """What a kernel is asked to run. For ``kind="experts"``, ``n`` / ``k`` are the fused gate + up

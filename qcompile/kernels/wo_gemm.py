@@ -48,7 +48,7 @@ from ..scheme import parse_scheme_key
 from . import quant_math, wo_mma, wo_policy, wo_tune
 from .fp8_quant_triton import HAS_TRITON, use_triton
 from .reference import register_straight_through
-from .registry import HALF, Kernel, KernelQuery, cuda_reason, register
+from .registry import HALF, Kernel, KernelQuery, cuda_reason, register, unknown_backend
 from .wo_gemm_triton import FMT_E2M1, FMT_FP8, FMT_INT4, FMT_INT8, FMT_INT8_OFFSET, SK_E4M3, SK_E8M0, SK_FP32
 
 if HAS_TRITON:
@@ -446,7 +446,7 @@ def wo_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     validate(x.shape[-1], weight, weight_scale, weight_global_scale, weight_zero_point, weight_g_idx, spec, scheme)
     impl = _IMPLS.get(backend)
     if impl is None:
-        raise UnsupportedError(f"unknown wo_linear backend {backend!r}", where=OP, fix=f"use one of {BACKENDS}")
+        raise unknown_backend(OP, backend, BACKENDS)
     if x.dtype not in HALF:
         raise UnsupportedError(f"x must be bf16 or fp16, got {x.dtype}", where=OP,
                                fix="the kernel registry runs other activation dtypes on the reference op")
