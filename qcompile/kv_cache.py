@@ -55,22 +55,16 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from .errors import ConfigError, UnsupportedError
+from .kernels.quant_math import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
 from .loading import is_attention
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 DYNAMIC_HEADROOM = 2.0  # dynamic scales put the first prefill's amax at FP8_MAX / DYNAMIC_HEADROOM
 SCALES = ("checkpoint", "dynamic")
 
 
-def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``fp8(clamp(x / scale, ±448))``, divided in fp32 (``scale`` broadcasts over [B, H, S, D])."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-
-def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``dtype(q · scale)``, multiplied in fp32 (the in-place product casts once) with no fp32 copy."""
-    return q.to(dtype).mul_(scale)
+# a token's key / value: fp8(clamp(x / scale, ±448)), divided in fp32 (scale broadcasts over [B, H, S, D]); read
+# back as dtype(q · scale), the read qcompile::decode_attention reproduces in registers
+quantize_kv, dequantize_kv = quantize_fp8, dequantize_fp8
 
 
 def dynamic_scale(x: torch.Tensor) -> torch.Tensor:

@@ -27,12 +27,13 @@ With ``k_scale`` / ``v_scale`` the keys and values are an FP8 KV cache's float8_
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
 from .fp8_quant_triton import HAS_TRITON, interpreting, use_triton
+from .quant_math import dequantize_fp8
+from .wo_policy import pdl_default
 
 if HAS_TRITON:
     import triton
@@ -49,9 +50,8 @@ FP8 = torch.float8_e4m3fn
 
 
 def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: sm_90+ on a real GPU, unless QCOMPILE_PDL=0."""
-    return (device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
-            and os.environ.get("QCOMPILE_PDL", "1") != "0")
+    """Programmatic dependent launch on a real GPU, as the weight-only kernel decides it (sm_90+, QCOMPILE_PDL)."""
+    return device.type == "cuda" and not interpreting() and pdl_default(torch.cuda.get_device_capability(device))
 
 
 if HAS_TRITON:
@@ -273,15 +273,10 @@ def _triton(q, k, v, mask, scale: float, splits: int | None = None, k_scale=None
     return out
 
 
-def dequantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``dtype(fp8 * scale)``, as the FP8 cache's ``dequantize_kv`` (``qcompile/kv_cache.py``) computes it."""
-    return t.to(dtype).mul_(scale)
-
-
 def reference(q, k, v, mask=None, scale: float | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     """SDPA on the same tensors (fp8 keys and values dequantized first): what the op computes."""
     if k_scale is not None:
-        k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
+        k, v = dequantize_fp8(k, k_scale, q.dtype), dequantize_fp8(v, v_scale, q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 

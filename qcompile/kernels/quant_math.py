@@ -23,6 +23,11 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dtype(q · scale)``, multiplied in fp32 (the in-place product casts once) with no fp32 copy."""
+    return q.to(dtype).mul_(scale)
+
+
 def dynamic_fp8_scale(x: torch.Tensor, granularity: Granularity, group_size: int = 0) -> torch.Tensor:
     """Scale for dynamic activation quantization of x [M, K]:
     TENSOR -> [] ; TOKEN -> [M, 1] ; GROUP -> [M, K // group_size]."""

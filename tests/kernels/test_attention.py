@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from qcompile.kernels import attention as at
+from qcompile.kv_cache import dequantize_kv, quantize_kv
 from tests.interpreter_util import run_interpreted
 
 gpu = pytest.mark.gpu
@@ -38,8 +39,6 @@ def make(b=1, kvh=2, rep=4, s=200, d=64, dtype=torch.float32, mask="bool", qb=No
 def fp8_kv(k, v, per_head=True, seed=1):
     """An FP8 cache's codes and scales of ``k`` and ``v``: (k codes, v codes, k_scale, v_scale), scales fp32
     (1, kv_heads or 1, 1, 1), quantized by the cache's own quantize_kv."""
-    from qcompile.kv_cache import quantize_kv
-
     heads = k.shape[1] if per_head else 1
     g = torch.Generator().manual_seed(seed)
     scales = [(0.5 + torch.rand(1, heads, 1, 1, generator=g)).to(k.device) * t.float().abs().amax() / 448
@@ -51,7 +50,7 @@ def oracle(q, k, v, mask, scale=None, k_scale=None, v_scale=None):
     """SDPA's math in fp32 (on the FP8 cache's dequantized read in q's dtype, upcast)."""
     m = mask if mask is None or mask.dtype == torch.bool else mask.float()
     if k_scale is not None:
-        k, v = at.dequantize(k, k_scale, q.dtype), at.dequantize(v, v_scale, q.dtype)
+        k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
     return at.reference(q.float(), k.float(), v.float(), m, scale)
 
 
@@ -80,7 +79,7 @@ def test_opcheck():
 def test_fp8_keys_and_values_are_the_caches_dequantized_read(per_head):
     q, k, v, m = make(mask="bool", dtype=torch.bfloat16)
     kq, vq, ks, vs = fp8_kv(k, v, per_head)
-    want = at.reference(q, at.dequantize(kq, ks, q.dtype), at.dequantize(vq, vs, q.dtype), m)
+    want = at.reference(q, dequantize_kv(kq, ks, q.dtype), dequantize_kv(vq, vs, q.dtype), m)
     assert torch.equal(at.decode_attention(q, kq, vq, m, None, ks, vs), want)
 
 
