@@ -19,7 +19,7 @@ then SDPA on the key / value heads; ``decode_attention, fp8`` reads the codes an
 counts one byte per element.
 
 The floor is the bytes of the written positions' keys and values over the read bandwidth measured in the same
-run (a sum over 2 GiB). Each row also checks the op against SDPA (fp32 math) on its first cache.
+run (``bench_moe.bandwidth_gbps``: the larger of a 2 GiB copy's and a 2 GiB sum's). Each row also checks the op against SDPA (fp32 math) on its first cache.
 ``--dry-run``: tiny shapes on the CPU, wall clock: a smoke test of this script, not a measurement.
 """
 
@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,7 +35,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qcompile.bench import device_label, graph_time_us  # noqa: E402
+from bench_moe import bandwidth_gbps  # noqa: E402  (this folder)
+from qcompile.bench import device_label, graph_time_us, wall_us  # noqa: E402
 from qcompile.kernels import attention as at  # noqa: E402
 
 SHAPES = {  # name: (query heads, key / value heads, head dim)
@@ -47,22 +46,6 @@ SHAPES = {  # name: (query heads, key / value heads, head dim)
     "tiny": (4, 2, 16),
 }
 L2_FLUSH = 200 << 20
-
-
-def read_bandwidth_gbs(device: str) -> float:
-    """GB/s of a sum over 2 GiB (bytes read), median of 10."""
-    words = torch.zeros(1 << 29, dtype=torch.float32, device=device)
-    return words.numel() * 4 / (graph_time_us(lambda: words.sum(), 1, 10) * 1e-6) / 1e9
-
-
-def wall_us(fn, calls: int) -> float:
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) * 1e6 / calls)
-    return statistics.median(times)
 
 
 def case(shape: str, batch: int, cache: int, used: int, device: str, dtype, dry: bool, sweep=(),
@@ -171,7 +154,7 @@ def main(argv=None) -> int:
     elif torch.cuda.is_available():
         device, label, shapes, bw = "cuda", device_label("cuda"), args.shapes, None
         caches = [tuple(int(x) for x in c.split(":")) for c in args.cache]
-        bw = read_bandwidth_gbs(device)
+        bw = bandwidth_gbps(device)
     else:
         sys.exit("bench_attention.py times CUDA graphs: run it on a GPU (or --dry-run on the CPU)")
     dtype = torch.bfloat16

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,23 +24,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import qcompile  # noqa: E402
-from qcompile.bench import device_label, graph_time_us  # noqa: E402
+from qcompile.bench import device_label, graph_time_us, wall_us  # noqa: E402
 
 
 def router(logits: torch.Tensor, k: int):
     probs = logits.softmax(-1, dtype=torch.float)
     top, ids = torch.topk(probs, k, dim=-1)
     return (top / top.sum(-1, keepdim=True)).to(logits.dtype), ids
-
-
-def wall_us(fn, calls: int = 5) -> float:
-    """Median wall-clock µs of ``calls`` calls (the CPU dry run)."""
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:

@@ -82,6 +82,16 @@ def graph_time_us(fn, calls: int, replays: int) -> float:
     return statistics.median(times)
 
 
+def wall_us(fn, calls: int = 5) -> float:
+    """Median wall-clock µs of ``calls`` calls (the benchmarks' CPU dry runs)."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
 def _try(fn, calls, replays):
     try:
         return round(graph_time_us(fn, calls, replays), 1)
