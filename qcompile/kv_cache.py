@@ -37,10 +37,10 @@ Attention reads the cache dequantized: every update returns the whole cache as m
 CUDA included) takes K and V in the query's dtype. Eager, that is a dequantized copy of one layer's
 K/V per step. Compiled with qcompile, the decode-attention pass finds that read and hands the fp8
 codes and the scales to ``qcompile::decode_attention``, which dequantizes block by block in registers
-(on CUDA; SDPA on the dequantized read elsewhere): no copy of the cache is made. On CUDA under
-inductor the update (``index_copy_`` through uint8 views: there is no float8 ``index_copy_`` on
-either device) is not done in place, and inductor copies the layer's whole cache out and back every
-step (``benchmarks/kv_cache.py`` measures what the FP8 cache costs against a bf16 one).
+(on CUDA; SDPA on the dequantized read elsewhere): no copy of the cache is made. The static layer keeps
+its codes in uint8 buffers (``keys`` / ``values`` are their fp8 views) and writes a token's bytes with
+``index_copy_`` on them (there is no float8 ``index_copy_`` on either device); under inductor that write
+is done in place, as a bf16 cache's is (``benchmarks/kv_cache.py`` compares the two caches' speed).
 
 Supported: decoder models whose layers are all full attention (no sliding-window or chunked
 layers), one scale per layer or per KV head.
@@ -134,19 +134,40 @@ class FP8StaticLayer(_FP8Layer, StaticLayer):
     """A preallocated FP8 layer of ``max_cache_len`` positions (``StaticLayer`` with fp8 buffers)."""
 
     def __init__(self, max_cache_len: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+        self._key_bytes = self._value_bytes = None
         super().__init__(max_cache_len=max_cache_len)
         self._setup_scales(k_scale, v_scale)
+
+    # The buffers are uint8 tensors holding the fp8 codes, and ``keys`` / ``values`` their fp8 views: an update
+    # writes the bytes (``index_copy_`` has no float8 kernel on either device) into the buffer itself, which a
+    # compiled step does in place (a write through a view of an fp8 buffer, inductor turns into a copy of the
+    # layer's whole cache out and back).
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._key_bytes is None else self._key_bytes.view(FP8)
+
+    @keys.setter
+    def keys(self, t: torch.Tensor | None) -> None:
+        self._key_bytes = None if t is None else t.view(torch.uint8)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._value_bytes is None else self._value_bytes.view(FP8)
+
+    @values.setter
+    def values(self, t: torch.Tensor | None) -> None:
+        self._value_bytes = None if t is None else t.view(torch.uint8)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._init_scales(key_states)
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
         shape = (self.batch_size, self.num_heads, self.max_cache_len)
-        self.keys = torch.zeros((*shape, self.k_head_dim), dtype=FP8, device=self.device)
-        self.values = torch.zeros((*shape, self.v_head_dim), dtype=FP8, device=self.device)
+        self._key_bytes = torch.zeros((*shape, self.k_head_dim), dtype=torch.uint8, device=self.device)
+        self._value_bytes = torch.zeros((*shape, self.v_head_dim), dtype=torch.uint8, device=self.device)
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not torch.compiler.is_compiling():  # fixed addresses: compiled steps mutate them, CUDA graphs replay
-            for t in (self.keys, self.values, self.cumulative_length, self.k_scale, self.v_scale):
+            for t in (self._key_bytes, self._value_bytes, self.cumulative_length, self.k_scale, self.v_scale):
                 torch._dynamo.mark_static_address(t)
         self.is_initialized = True
 
@@ -156,9 +177,8 @@ class FP8StaticLayer(_FP8Layer, StaticLayer):
         k, v = self._quantize(key_states, value_states)
         positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
         self.cumulative_length.add_(key_states.shape[-2])
-        # through uint8 views: index_copy_ has no float8 kernel on the CPU
-        self.keys.view(torch.uint8).index_copy_(2, positions, k.view(torch.uint8))
-        self.values.view(torch.uint8).index_copy_(2, positions, v.view(torch.uint8))
+        self._key_bytes.index_copy_(2, positions, k.view(torch.uint8))
+        self._value_bytes.index_copy_(2, positions, v.view(torch.uint8))
         return self._dequantize()
 
 

@@ -137,3 +137,30 @@ def test_fp8_kv_cache_in_compiled_generate(tmp_path):
     assert fp8.layers[0].keys.dtype == torch.float8_e4m3fn
     assert 2 * cache_nbytes(fp8) == cache_nbytes(bf16)
     assert rel(got.logits[0], want.logits[0]) < 0.08  # the FP8 cache's rounding of K and V
+
+
+def test_compiled_fp8_cache_update_writes_in_place():
+    """Under inductor the FP8 cache's update writes the new token's bytes into the cache: the generated code
+    allocates no buffer of a layer cache's shape (a copy of the whole cache out and back every step), and the
+    step's logits match the eager step's."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = AutoModelForCausalLM.from_config(synth.tiny_llama_config(num_hidden_layers=1), dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    caches = [FP8Cache(model, max_cache_len=4096, scales="dynamic") for _ in range(2)]
+    kws = [cache_kwargs(model, c) for c in caches]
+    ids = IDS.cuda()
+    with torch.no_grad():
+        for kw in kws:
+            model(input_ids=ids, use_cache=True, **kw)
+        torch._dynamo.reset()
+        step = torch.compile(lambda tok, kw: model(input_ids=tok, use_cache=True, **kw).logits,
+                             backend=qcompile.backend(), fullgraph=True, dynamic=False)
+        got, code = run_and_get_code(step, ids[:, -1:], kws[0])
+        want = model(input_ids=ids[:, -1:], use_cache=True, **kws[1]).logits
+    shape = tuple(caches[0].layers[0].keys.shape)
+    assert shape[2] == 4096 and f"empty_strided_cuda({shape}" not in "\n".join(code), "a copy of the cache"
+    keys = [c.layers[0].keys.float() for c in caches]
+    assert torch.equal(keys[0][:, :, :12], keys[1][:, :, :12]) and keys[0][:, :, 12].abs().sum() > 0
+    assert rel(keys[0][:, :, 12], keys[1][:, :, 12]) < 0.1  # the new token's key, written by the compiled step
+    assert rel(got, want) < 0.02
