@@ -12,7 +12,8 @@ Pipeline on the graph Dynamo hands over: the passes in order (:meth:`QCompileBac
 pass ``qcompile.passes.fuse_linears`` (off with ``fuse=False``), the Linear pass ``qcompile.passes.linear``,
 the Experts pass ``qcompile.passes.experts``, then the decode-attention pass ``qcompile.passes.attention`` (off
 with ``gqa_decode=False``), and under inductor the top-k pass ``qcompile.passes.topk`` (off with
-``small_topk=False``)), then the inner compiler, on the graph less the inputs whose
+``small_topk=False``) and the small-linear pass ``qcompile.passes.small_linear`` (off with ``small_linear=False``)),
+then the inner compiler, on the graph less the inputs whose
 tensors the Fuse pass made views of its fused constants (nothing reads them any more). ``qcompile.explain()``
 (or ``backend_instance.explain()``) prints what matched.
 """
@@ -41,6 +42,7 @@ class Options:
     fuse: bool = True  # run linears that share an input (q/k/v, gate/up) as one matmul
     gqa_decode: bool = True  # one-token grouped-query attention reads each key / value head once
     small_topk: bool = True  # inductor on CUDA: a router's top-k as selection steps fused into one kernel
+    small_linear: bool = True  # inductor on CUDA: a decode-size linear with few outputs (a router) as a reduction
     cudagraphs: bool = False  # inductor: capture CUDA graphs (like mode="reduce-overhead")
     inductor_config: dict[str, Any] = field(default_factory=dict)
     on_graph: Callable | None = None  # test hook: called with (gm before the pass as code, gm after)
@@ -112,6 +114,7 @@ class QCompileBackend:
         from .passes.experts import lower_experts
         from .passes.fuse_linears import fuse_linears
         from .passes.linear import lower_linears
+        from .passes.small_linear import rewrite_small_linears
         from .passes.topk import rewrite_small_topk
 
         kernels = self.options.kernels
@@ -119,8 +122,9 @@ class QCompileBackend:
         gqa = [rewrite_gqa_decode] if self.options.gqa_decode else []
         inner = self.options.inner
         topk = [rewrite_small_topk] if self.options.small_topk and inner == "inductor" else []
+        small = [rewrite_small_linears] if self.options.small_linear and inner == "inductor" else []
         return fuse + [lambda gm, ex: lower_linears(gm, ex, kernels=kernels, online=self._online, compiler=inner),
-                       lambda gm, ex: lower_experts(gm, ex, kernels=kernels, online=self._online)] + gqa + topk
+                       lambda gm, ex: lower_experts(gm, ex, kernels=kernels, online=self._online)] + gqa + topk + small
 
     @property
     def rows(self) -> list:
