@@ -100,3 +100,19 @@ def test_bench_router_dry_run(tmp_path, capsys):
                                                                            (16, 4, 5)]
     assert all(r["torch_us"] > 0 and r["qcompile_us"] > 0 for r in result["rows"])
     assert "dry run" in result["gpu"] and "| 16, 4 | 5 |" in capsys.readouterr().out
+
+
+def test_bench_router_linear_dry_run(tmp_path, capsys):
+    """benchmarks/bench_router.py --linear --dry-run: both compiled linears run on the CPU and agree, one row per
+    (shape, T); on the CPU qcompile keeps F.linear (the small-linear pass rewrites CUDA graphs)."""
+    path = BENCH.with_name("bench_router.py")
+    spec = importlib.util.spec_from_file_location("bench_router", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "linear.json"
+    assert bench.main(["--dry-run", "--linear", "8x64", "16x32:fp32", "--tokens", "1", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["n"], r["k"], r["dtype"], r["tokens"]) for r in rows] == [
+        (8, 64, "bfloat16", 1), (8, 64, "bfloat16", 3), (16, 32, "float32", 1), (16, 32, "float32", 3)]
+    assert all(r["torch_us"] > 0 and r["qcompile_us"] > 0 and r["qcompile_runs"] == "F.linear" for r in rows)
+    assert "| 16 x 32, float32 | 3 |" in capsys.readouterr().out
