@@ -130,8 +130,22 @@ def _cat_fp8(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.cat([old.view(torch.uint8), new.view(torch.uint8)], dim=-2).view(FP8)
 
 
+def _fp8_view(name: str) -> property:
+    """A property reading the uint8 buffer ``name`` as fp8 (None while unset); set, it stores a tensor's bytes."""
+
+    def get(self) -> torch.Tensor | None:
+        t = getattr(self, name)
+        return None if t is None else t.view(FP8)
+
+    def put(self, t: torch.Tensor | None) -> None:
+        setattr(self, name, None if t is None else t.view(torch.uint8))
+
+    return property(get, put)
+
+
 class FP8StaticLayer(_FP8Layer, StaticLayer):
-    """A preallocated FP8 layer of ``max_cache_len`` positions (``StaticLayer`` with fp8 buffers)."""
+    """A preallocated FP8 layer of ``max_cache_len`` positions (``StaticLayer`` with its fp8 codes in uint8
+    buffers)."""
 
     def __init__(self, max_cache_len: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
         self._key_bytes = self._value_bytes = None
@@ -142,21 +156,8 @@ class FP8StaticLayer(_FP8Layer, StaticLayer):
     # writes the bytes (``index_copy_`` has no float8 kernel on either device) into the buffer itself, which a
     # compiled step does in place (a write through a view of an fp8 buffer, inductor turns into a copy of the
     # layer's whole cache out and back).
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return None if self._key_bytes is None else self._key_bytes.view(FP8)
-
-    @keys.setter
-    def keys(self, t: torch.Tensor | None) -> None:
-        self._key_bytes = None if t is None else t.view(torch.uint8)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return None if self._value_bytes is None else self._value_bytes.view(FP8)
-
-    @values.setter
-    def values(self, t: torch.Tensor | None) -> None:
-        self._value_bytes = None if t is None else t.view(torch.uint8)
+    keys = _fp8_view("_key_bytes")
+    values = _fp8_view("_value_bytes")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._init_scales(key_states)

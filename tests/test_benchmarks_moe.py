@@ -86,13 +86,17 @@ def test_bench_moe_weight_only_rows():
     assert {r["row"] for r in tail if isinstance(r["us"], float)} == (set(bench.OURS_WO) | forced) - int4
 
 
+def bench_router():
+    spec = importlib.util.spec_from_file_location("bench_router", BENCH.with_name("bench_router.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_bench_router_dry_run(tmp_path, capsys):
     """benchmarks/bench_router.py --dry-run: both compiled routers run on the CPU and agree (the script checks
     weights and indices), one row per (E:k, T) in the table and the JSON."""
-    path = BENCH.with_name("bench_router.py")
-    spec = importlib.util.spec_from_file_location("bench_router", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_router()
     out = tmp_path / "router.json"
     assert bench.main(["--dry-run", "--experts", "8:2", "16:4", "--tokens", "1", "5", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -105,10 +109,7 @@ def test_bench_router_dry_run(tmp_path, capsys):
 def test_bench_router_linear_dry_run(tmp_path, capsys):
     """benchmarks/bench_router.py --linear --dry-run: both compiled linears run on the CPU and agree, one row per
     (shape, T); on the CPU qcompile keeps F.linear (the small-linear pass rewrites CUDA graphs)."""
-    path = BENCH.with_name("bench_router.py")
-    spec = importlib.util.spec_from_file_location("bench_router", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_router()
     out = tmp_path / "linear.json"
     assert bench.main(["--dry-run", "--linear", "8x64", "16x32:fp32", "--tokens", "1", "3", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]

@@ -79,6 +79,24 @@ def finish_rewrites(gm: fx.GraphModule, count: int, what: str) -> list:
     return []
 
 
+def replace_calls(gm: fx.GraphModule, match, fn, what: str) -> list:
+    """Replace every node of ``gm`` for which ``match(node)`` gives a tuple of arguments by ``fn(*arguments)``
+    (same meta, same users), then :func:`finish_rewrites` with ``what``. For the passes that rewrite calls
+    into plain graph ops."""
+    graph, count = gm.graph, 0
+    for node in list(graph.nodes):
+        found = match(node)
+        if found is None:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(fn, found)
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        count += 1
+    return finish_rewrites(gm, count, what)
+
+
 def example(node_or_const):
     """The example value (a tensor, or its fake) behind a node argument."""
     return node_or_const.meta.get("example_value", node_or_const.meta.get("val")) \

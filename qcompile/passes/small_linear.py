@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from .lowering import example, finish_rewrites
+from .lowering import example, replace_calls
 
 MAX_M = 16  # rows of x
 MAX_ROW_BYTES = 12 << 20  # M x the weight's bytes: what the reduction reads (L2 after the first row)
@@ -68,15 +68,5 @@ def _rewritable(node: fx.Node, devices: tuple[str, ...]) -> tuple | None:
 def rewrite_small_linears(gm: fx.GraphModule, example_inputs=None, devices: tuple[str, ...] = ("cuda",)) -> list:
     """Rewrite every small linear of ``gm`` on ``devices`` in place (see the module doc). Returns no explain rows;
     logs how many it rewrote."""
-    graph, count = gm.graph, 0
-    for node in list(graph.nodes):
-        found = _rewritable(node, devices)
-        if found is None:
-            continue
-        with graph.inserting_before(node):
-            new = graph.call_function(linear_by_reduction, found)
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        count += 1
-    return finish_rewrites(gm, count, "small linear layer(s) run as an inductor reduction")
+    return replace_calls(gm, lambda node: _rewritable(node, devices), linear_by_reduction,
+                         "small linear layer(s) run as an inductor reduction")

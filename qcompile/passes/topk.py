@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .lowering import example, finish_rewrites
+from .lowering import example, replace_calls
 
 MAX_K = 16  # k selection steps (two reductions each) in one kernel
 MAX_E = 1024  # a row inductor keeps in registers (a persistent reduction)
@@ -68,15 +68,5 @@ def _rewritable(node: fx.Node, devices: tuple[str, ...]) -> tuple[fx.Node, int] 
 def rewrite_small_topk(gm: fx.GraphModule, example_inputs=None, devices: tuple[str, ...] = ("cuda",)) -> list:
     """Rewrite every small top-k of ``gm`` on ``devices`` in place (see the module doc). Returns no explain
     rows (the table lists quantized layers); logs how many it rewrote."""
-    graph, count = gm.graph, 0
-    for node in list(graph.nodes):
-        found = _rewritable(node, devices)
-        if found is None:
-            continue
-        with graph.inserting_before(node):
-            new = graph.call_function(topk_by_selection, found)
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        count += 1
-    return finish_rewrites(gm, count, "small top-k call(s) run as selection steps inductor fuses")
+    return replace_calls(gm, lambda node: _rewritable(node, devices), topk_by_selection,
+                         "small top-k call(s) run as selection steps inductor fuses")

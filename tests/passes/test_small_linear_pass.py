@@ -12,6 +12,7 @@ from expecttest import assert_expected_inline
 import qcompile
 from qcompile.passes.small_linear import MAX_M, MAX_ROW_BYTES, linear_by_reduction, rewrite_small_linears
 from tests.passes.test_topk_pass import _router, body, router
+from tests.passes.test_topk_pass import rewritten as rewritten_by
 
 BF16_ULP = 2.0 ** -8
 
@@ -43,21 +44,10 @@ def test_reduction_is_the_linear_rounded_once(dtype, u, shape, n, bias):
 # -- the graph rewrite --------------------------------------------------------------------------------------
 
 def rewritten(fn, *args, dynamic=False, devices=("cpu",)):
-    """(output, graph code before the pass, after) of ``fn(*args)`` compiled as one Dynamo graph, the pass
-    rewriting linears on ``devices``, the graph run as it is (no inner compiler)."""
-    torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        before = gm.code
-        rewrite_small_linears(gm, example_inputs, devices=devices)
-        graphs.append((before, gm.code))
-        return gm.forward
-
+    """The small-linear pass's :func:`tests.passes.test_topk_pass.rewritten`, without gradients (the pass
+    leaves a linear that needs one alone)."""
     with torch.no_grad():
-        out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args)
-    assert len(graphs) == 1
-    return (out, *graphs[0])
+        return rewritten_by(fn, *args, dynamic=dynamic, devices=devices, rewrite=rewrite_small_linears)
 
 
 def test_router_graph():
@@ -113,18 +103,10 @@ def test_rows_times_bytes_decides():
 
 
 def test_a_linear_that_needs_a_gradient_is_left_alone():
-    torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        before = gm.code
-        rewrite_small_linears(gm, example_inputs, devices=("cpu",))
-        graphs.append((before, gm.code))
-        return gm.forward
-
     w = torch.randn(8, 64, requires_grad=True)
-    torch.compile(lambda x: F.linear(x, w), backend=backend, fullgraph=True)(torch.randn(1, 64)).sum().backward()
-    assert w.grad is not None and graphs[0][0] == graphs[0][1]
+    out, before, after = rewritten_by(lambda x: F.linear(x, w), torch.randn(1, 64), rewrite=rewrite_small_linears)
+    out.sum().backward()
+    assert w.grad is not None and "_nn.linear" in before and before == after
 
 
 def test_dynamic_shapes_are_left_alone():

@@ -79,15 +79,15 @@ def method_topk(x):
     return x.topk(3)[1] + x.topk(2, dim=-1, sorted=False)[1].sum()
 
 
-def rewritten(fn, *args, dynamic=False, devices=("cpu",)):
+def rewritten(fn, *args, dynamic=False, devices=("cpu",), rewrite=rewrite_small_topk):
     """(output, graph code before the pass, after) of ``fn(*args)`` compiled as one Dynamo graph, the pass
-    rewriting top-k on ``devices``, the graph run as it is (no inner compiler)."""
+    ``rewrite`` (default: the top-k pass) rewriting on ``devices``, the graph run as it is (no inner compiler)."""
     torch._dynamo.reset()
     graphs = []
 
     def backend(gm, example_inputs):
         before = gm.code
-        rewrite_small_topk(gm, example_inputs, devices=devices)
+        rewrite(gm, example_inputs, devices=devices)
         graphs.append((before, gm.code))
         return gm.forward
 
