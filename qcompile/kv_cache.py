@@ -154,8 +154,8 @@ class FP8StaticLayer(_FP8Layer, StaticLayer):
 
     # The buffers are uint8 tensors holding the fp8 codes, and ``keys`` / ``values`` their fp8 views: an update
     # writes the bytes (``index_copy_`` has no float8 kernel on either device) into the buffer itself, which a
-    # compiled step does in place (a write through a view of an fp8 buffer, inductor turns into a copy of the
-    # layer's whole cache out and back).
+    # compiled step does in place (a write through a uint8 view of an fp8 buffer, inductor on CUDA turns into a
+    # copy of the layer's whole cache out and back).
     keys = _fp8_view("_key_bytes")
     values = _fp8_view("_value_bytes")
 

@@ -5,12 +5,11 @@ cuBLAS runs ``x [M, K] @ W[N, K]^T`` with a few rows and a small weight in a GEM
 about 5 µs on an H200 for a Qwen3-MoE router (128 x 2048 bf16, M = 1), which reads 0.5 MB, in every MoE layer of
 every decode step. Written as ``sum(x[..., None, :] * W, -1)`` in fp32 (a bf16 GEMM's exact products and fp32
 accumulation, rounded once to x's dtype; a bias is added in fp32 before that rounding), inductor generates one
-reduction kernel over K that spreads the outputs over the GPU (1.3 µs for that router) and, on sm_90+, launches it
+reduction kernel over K that spreads the outputs over the GPU (1.8 µs for that router) and, on sm_90+, launches it
 with PDL. The reduction reads W once per row of x (after the first from L2), so it pays while ``M x W's bytes`` is
 small. On an H200 it was faster than cuBLAS in every measured cell with M x bytes <= 12 MiB (weights of 0.07 to
-8.4 MB, bf16 and fp32, M = 1 to 16), the limit below; on shapes held out of that choice, the limit never took
-the slower of the two, and kept cuBLAS in 4 of 30 cells where the reduction was faster (``docs/benchmarks.md``,
-MoE routers).
+8.4 MB, bf16 and fp32, M = 1 to 16), the limit below; on three shapes held out of that choice it never took the
+slower of the two (``docs/benchmarks.md``, MoE routers).
 
 The pass rewrites a call to ``F.linear`` on CUDA whose output needs no gradient, with static shapes, floating x, weight
 (and bias) of one dtype, M <= MAX_M rows and M x weight bytes <= MAX_ROW_BYTES, under inductor only (run as
