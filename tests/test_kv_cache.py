@@ -262,6 +262,25 @@ def test_fp8_cache_holds_half_the_bytes_of_bf16(bf16_model):
     assert cache_nbytes(caches["bf16"]) == 2 * cache_nbytes(caches["fp8"]) == 2 * (2 * 2 * 2 * 64 * 64 * 2)
 
 
+def test_static_fp8_layer_stores_its_codes_as_bytes(bf16_model):
+    """The static layer's keys / values are fp8 views of uint8 buffers: the update writes the bytes, reset() zeroes
+    them in place (CUDA graphs keep the addresses), and transformers' beam reordering and assignment keep working
+    through the views."""
+    cache = FP8Cache(bf16_model, max_cache_len=16, scales="dynamic")
+    with torch.no_grad():
+        bf16_model(input_ids=torch.randint(3, 384, (2, 5)), use_cache=True, **cache_kwargs(bf16_model, cache))
+    layer = cache.layers[0]
+    assert layer.keys.dtype == torch.float8_e4m3fn and layer._key_bytes.dtype == torch.uint8
+    assert layer.keys.data_ptr() == layer._key_bytes.data_ptr() and layer.keys.shape == (2, 2, 16, 64)
+    written = layer._key_bytes[:, :, :5].clone()
+    assert written.any() and not layer._key_bytes[:, :, 5:].any()
+    layer.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(layer._key_bytes[:, :, :5], written.flip(0))
+    ptr = layer._value_bytes.data_ptr()
+    cache.reset()
+    assert not layer._key_bytes.any() and layer._value_bytes.data_ptr() == ptr and layer.keys.dtype == torch.float8_e4m3fn
+
+
 @pytest.mark.slow
 def test_generate_with_the_fp8_cache(kv_ckpt):
     model = qcompile.load(str(kv_ckpt("modelopt-w4a16-nvfp4")))
