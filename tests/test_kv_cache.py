@@ -297,17 +297,21 @@ def test_generate_with_the_fp8_cache(kv_ckpt):
 
 
 def test_dynamic_scales_are_measured_at_the_first_prefill_and_kept(bf16_model):
+    """Each layer's scale is its first prefill's amax / 224, kept through later updates. Layer 0's keys come
+    from the embeddings alone, so its scale equals the bf16 run's exactly; layer 1's keys follow attention over
+    layer 0's fp8-rounded cache, so its scale is the bf16 run's within that rounding."""
     cache = FP8Cache(bf16_model, max_cache_len=40, scales="dynamic")
-    ids = torch.randint(3, 384, (1, 20))
+    ids = torch.randint(3, 384, (1, 20), generator=torch.Generator().manual_seed(5))
     kw = cache_kwargs(bf16_model, cache)
     ref = DynamicCache(config=bf16_model.config)
     with torch.no_grad():
         bf16_model(input_ids=ids[:, :16], use_cache=True, **kw)
         bf16_model(input_ids=ids[:, :16], use_cache=True, **cache_kwargs(bf16_model, ref))
-        first = cache.layers[1].k_scale.clone()
-        assert torch.equal(first.flatten(), dynamic_scale(ref.layers[1].keys).reshape(1))
+        first = [layer.k_scale.clone() for layer in cache.layers]
+        assert torch.equal(first[0].flatten(), dynamic_scale(ref.layers[0].keys).reshape(1))
+        torch.testing.assert_close(first[1].flatten(), dynamic_scale(ref.layers[1].keys).reshape(1), rtol=0.03, atol=0)
         bf16_model(input_ids=ids[:, 16:], use_cache=True, **kw)
-    assert torch.equal(cache.layers[1].k_scale, first)
+    assert all(torch.equal(layer.k_scale, f) for layer, f in zip(cache.layers, first))
 
 
 # -- choosing scales, refusals -------------------------------------------------------------------
