@@ -92,7 +92,8 @@ def linear_rows(args, device: str, label: str) -> list[dict]:
             torch.testing.assert_close(outs["qcompile"], outs["torch"], **tol)
             ran = "reduction" if "linear_by_reduction" in graphs[0] else "F.linear"
             row = {"n": n, "k": k, "dtype": str(dtype).removeprefix("torch."), "tokens": t,
-                   "torch_us": round(times["torch"], 2), "qcompile_us": round(times["qcompile"], 2), "qcompile_runs": ran}
+                   "torch_us": round(times["torch"], 2), "qcompile_us": round(times["qcompile"], 2),
+                   "qcompile_runs": ran}
             rows.append(row)
             mib = t * w.numel() * w.element_size() / 2 ** 20
             print(f"| {n} x {k}, {row['dtype']} | {t} | {mib:.1f} | {row['torch_us']} | {row['qcompile_us']} | "

@@ -278,7 +278,8 @@ def test_static_fp8_layer_stores_its_codes_as_bytes(bf16_model):
     assert torch.equal(layer._key_bytes[:, :, :5], written.flip(0))
     ptr = layer._value_bytes.data_ptr()
     cache.reset()
-    assert not layer._key_bytes.any() and layer._value_bytes.data_ptr() == ptr and layer.keys.dtype == torch.float8_e4m3fn
+    assert not layer._key_bytes.any() and layer._value_bytes.data_ptr() == ptr
+    assert layer.keys.dtype == torch.float8_e4m3fn
 
 
 @pytest.mark.slow
