@@ -110,6 +110,7 @@ def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
             if m is None or m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1:
                 continue
         grad = any(getattr(example(x), "requires_grad", True) for x in (args["query"], k[0], v[0]))
+        fp8 = [] if grad else [_fp8_dequantized(x, q.dtype) for x in (k[0], v[0])]
         with graph.inserting_before(node):
             grouped = graph.call_method("reshape", (args["query"], b, kvh, h // kvh, d))
             if grad:  # SDPA's own backward
@@ -117,19 +118,16 @@ def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
                 if args.get("scale") is not None:
                     kwargs["scale"] = args["scale"]
                 out = graph.call_function(node.target, (grouped, k[0], v[0]), kwargs)
+            elif all(fp8):  # an FP8 cache: the kernel reads the codes and dequantizes in registers
+                out = graph.call_function(decode_attention, (grouped, fp8[0][0], fp8[1][0], mask, args.get("scale"),
+                                                             fp8[0][1], fp8[1][1]))
             else:
-                kv, extra = (k[0], v[0]), []
-                fp8 = [_fp8_dequantized(x, q.dtype) for x in kv]
-                if all(fp8):  # an FP8 cache: the kernel reads the codes and dequantizes in registers
-                    kv, extra = (fp8[0][0], fp8[1][0]), fp8[0][2] + fp8[1][2]
-                    out = graph.call_function(decode_attention, (grouped, *kv, mask, args.get("scale"), fp8[0][1],
-                                                                 fp8[1][1]))
-                else:
-                    out = graph.call_function(decode_attention, (grouped, *kv, mask, args.get("scale")))
+                out = graph.call_function(decode_attention, (grouped, k[0], v[0], mask, args.get("scale")))
             back = graph.call_method("reshape", (out, *shape))
         node.replace_all_uses_with(back)
         graph.erase_node(node)
-        for dead in dict.fromkeys(k[1] + v[1] + ([] if grad else extra)):  # key and value may share one repeat
+        reads = fp8[0][2] + fp8[1][2] if fp8 and all(fp8) else []  # the FP8 cache's dequantizing nodes
+        for dead in dict.fromkeys(k[1] + v[1] + reads):  # key and value may share one repeat
             if not dead.users:
                 graph.erase_node(dead)
         count += 1
