@@ -158,8 +158,6 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    if not at.HAS_TRITON:
-        pytest.skip("triton is not installed")
     return run_interpreted(INTERPRETER_SCRIPT, timeout=600)
 
 

@@ -501,8 +501,6 @@ PIPELINE_CASES.update({
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    if not mk.HAS_TRITON:
-        pytest.skip("triton is not installed")
     return run_interpreted(INTERPRETER_SCRIPT, timeout=600)
 
 

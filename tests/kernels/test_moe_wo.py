@@ -485,8 +485,6 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    if not mw.HAS_TRITON:
-        pytest.skip("triton is not installed")
     return run_interpreted(INTERPRETER_SCRIPT, timeout=900)
 
 
