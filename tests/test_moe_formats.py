@@ -71,6 +71,8 @@ CASES = {
     "modelopt-w4a16-nvfp4-mixtral": (MIXTRAL_TINY, NVFP4_A16, 0.15),
     "llmcompressor-fp8-dynamic-mixtral": (MIXTRAL_TINY, "w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token", 0.04),
     "llmcompressor-w4a16-mixtral": (MIXTRAL_TINY, "w=int4/group128/pack=int32;a=none", 0.2),
+    # GPTQ act-order (actorder "group"): a g_idx per expert projection, gate and up sharing theirs
+    "llmcompressor-w4a16-actorder-moe": (QWEN_TINY, "w=int4/group32/pack=int32/actorder;a=none", 0.2),
     # moe_intermediate 192: the 128-row blocks of gate and up end in partial blocks, split in 64-row ones
     "llmcompressor-fp8-block-deepseekv3": (None, "w=fp8_e4m3/block64x128;a=fp8_e4m3/dynamic/group128", None),
 }
@@ -190,6 +192,58 @@ def test_partial_blocks_dequantize_per_shard(testdata):
                 assert torch.equal(hf.gate_up_proj[e, rows], want)
 
 
+ACT_ORDER = "llmcompressor-w4a16-actorder-moe"  # GPTQ actorder "group", int4 group 32
+
+
+def unpack_int4(words: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' pack-quantized int4: int32 [N, K/8], nibble j of word w is element 8w + j, plus 8."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return (((words.unsqueeze(-1) >> shifts) & 0xF) - 8).flatten(-2)
+
+
+def test_act_order_experts_dequantize_as_the_file_says(testdata):
+    """Act-order (``weight_g_idx``): input column k of an expert's projection takes its row's scale of group
+    g_idx[k]. The loaded experts dequantize (fp32) exactly to that, decoded here from the file's packed
+    words, scales and g_idx without qcompile's code (the rule compressed-tensors' own decompression
+    follows). Every g_idx is checked not to be the identity group order k // 32, so a loader that dropped,
+    mis-stacked or swapped them between experts or shards fails."""
+    model = load(testdata, ACT_ORDER)
+    with safe_open(str(testdata / ACT_ORDER / "model.safetensors"), "pt") as f:
+        for path, experts in experts_of(model).items():
+            hf, i = experts.dequantized(torch.float32), experts.intermediate_dim
+            for e in range(experts.num_experts):
+                for leaf, got in (("gate_proj", hf.gate_up_proj[e, :i]), ("up_proj", hf.gate_up_proj[e, i:]),
+                                  ("down_proj", hf.down_proj[e])):
+                    prefix = f"{path}.{e}.{leaf}"
+                    g_idx = f.get_tensor(f"{prefix}.weight_g_idx").long()
+                    assert not torch.equal(g_idx, torch.arange(g_idx.numel()) // 32), prefix
+                    q = unpack_int4(f.get_tensor(f"{prefix}.weight_packed")).float()
+                    scale = f.get_tensor(f"{prefix}.weight_scale").float()
+                    assert torch.equal(got, q * scale[:, g_idx]), prefix
+
+
+def test_act_order_experts_opcheck(testdata):
+    """experts_ref on the act-order checkpoint's stacked tensors (g_idx [E, K] for w13 and w2): opcheck."""
+    from tests.opcheck_util import opcheck
+
+    experts = next(iter(experts_of(load(testdata, ACT_ORDER)).values()))
+    x, ids, weights = routed(experts, tokens=6)
+    tensors = [getattr(experts, f"{p}_{r}", None) for p in ("w13", "w2") for r in
+               ("weight", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_g_idx", "input_scale",
+                "input_global_scale")]
+    assert tensors[4].shape == tensors[11].shape == (experts.num_experts, 128)
+    opcheck(torch.ops.qcompile.experts_ref.default, (x.bfloat16().requires_grad_(), ids, weights.requires_grad_(),
+                                                     *tensors, None, None, experts.activation, experts.scheme_key))
+
+
+def test_act_order_moe_round_trips(testdata, tmp_path):
+    """save_pretrained writes the producer's tensors back bit for bit, the g_idx gate and up share included."""
+    from tests.test_roundtrip import assert_same_checkpoint
+
+    load(testdata, ACT_ORDER).save_pretrained(tmp_path)
+    assert_same_checkpoint(testdata / ACT_ORDER, tmp_path)
+
+
 def compile_graph(model):
     """(eager logits, compiled logits, the graph after the passes as code): aot_eager, one graph."""
     graphs = []
@@ -241,6 +295,15 @@ wo_linear layers.1.self_attn.k_proj w=int4/group128/pack=int32;a=none
 wo_linear layers.1.self_attn.v_proj w=int4/group128/pack=int32;a=none
 wo_linear layers.1.self_attn.o_proj w=int4/group128/pack=int32;a=none
 experts_ref layers.1.mlp.experts w=int4/group128/pack=int32;a=none""")
+
+
+def test_act_order_moe_compiles_to_one_experts_op_per_layer(testdata):
+    assert_expected_inline(_compiled_ops(testdata, ACT_ORDER), """\
+wo_linear layers.1.self_attn.q_proj w=int4/group32/pack=int32/actorder;a=none
+wo_linear layers.1.self_attn.k_proj w=int4/group32/pack=int32/actorder;a=none
+wo_linear layers.1.self_attn.v_proj w=int4/group32/pack=int32/actorder;a=none
+wo_linear layers.1.self_attn.o_proj w=int4/group32/pack=int32/actorder;a=none
+experts_ref layers.1.mlp.experts w=int4/group32/pack=int32/actorder;a=none""")
 
 
 def test_quark_moe_compiles_to_one_experts_op_per_layer(testdata):
