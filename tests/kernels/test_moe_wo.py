@@ -94,6 +94,21 @@ def make_moe(fmt: str, t=3, k=2, e=4, h=128, i=128, activation="silu", dtype=tor
     return args
 
 
+def checkpoint_moe(path: Path, t: int = 6, seed: int = 0) -> dict:
+    """The op's arguments for the first experts layer of a producer checkpoint as QuantExperts holds it, and
+    ``t`` random bf16 tokens routed top-2."""
+    from qcompile.experts import QuantExperts
+
+    experts = next(m for m in qcompile.load(str(path)).modules() if isinstance(m, QuantExperts))
+    g = torch.Generator().manual_seed(seed)
+    args = {f"{p}_{r}": getattr(experts, f"{p}_{r}", None) for p in ("w13", "w2") for r in W_ROLES}
+    args.update(hidden_states=torch.randn(t, experts.hidden_dim, generator=g).bfloat16(),
+                top_k_index=torch.rand(t, experts.num_experts, generator=g).argsort(1)[:, :2],
+                top_k_weights=torch.rand(t, 2, generator=g), w13_bias=None, w2_bias=None,
+                activation=experts.activation, scheme=experts.scheme_key)
+    return args
+
+
 def op_call(args: dict, backend: str, on_input: bool = False) -> list:
     return [args[n] for n in TENSORS] + [args["activation"], args["scheme"], on_input, backend]
 
@@ -273,6 +288,16 @@ wo_moe_default = torch.ops.qcompile.wo_moe.default(hidden_states = hidden_states
     assert [(r.op, r.kernel, r.reason) for r in be.rows] == [("qcompile::wo_moe", "wo_moe", "")]
 
 
+def test_compiled_act_order_moe_selects_wo_moe(testdata, monkeypatch):
+    """llm-compressor's GPTQ act-order experts compiled for an sm_90 GPU: wo_moe, each projection's g_idx [E, K]
+    passed by name."""
+    _, after, be, _ = _compile_experts(testdata / "llmcompressor-w4a16-actorder-moe", monkeypatch)
+    call = _op_lines(after)
+    assert "w13_weight_g_idx = w13_weight_g_idx_" in call and "w2_weight_g_idx = w2_weight_g_idx_" in call, call
+    assert "scheme = 'w=int4/group32/pack=int32/actorder;a=none'" in call, call
+    assert [(r.op, r.kernel, r.reason) for r in be.rows] == [("qcompile::wo_moe", "wo_moe", "")]
+
+
 def test_compiled_w4a4_moe_runs_weight_only_and_says_so(testdata, monkeypatch):
     """ModelOpt NVFP4 (W4A4) experts on sm_90: wo_moe, weight-only; the explain row and a warning say so."""
     from qcompile.passes import linear
@@ -449,7 +474,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
     import json, os, time, torch
     assert os.environ["TRITON_INTERPRET"] == "1"
     from qcompile.kernels import moe_wo as mw, quant_math as qm, wo_gemm as wg
-    from tests.kernels.test_moe_wo import CASES, W_ROLES, TENSORS, make_moe, op_call, reference, compare
+    from tests.kernels.test_moe_wo import CASES, W_ROLES, TENSORS, checkpoint_moe, make_moe, op_call, reference, compare
     assert mw.use_triton(torch.empty(1)), "interpreter not active"
     t0, res = time.time(), {"cases": {}}
     for name, (fmt, kw, extra) in CASES.items():
@@ -478,6 +503,17 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
         want = torch.stack([qm.dequantize_weight(*(None if v is None else v[e] for v in t[:2]), spec,
                             *(None if v is None else v[e] for v in t[2:]), k=i) for e in range(3)])
         res[f"dequant-stacked-{fmt}" + ("" if i == 128 else f"-k{i}")] = bool(torch.equal(got, want))
+    # a producer's act-order experts (GPTQ, a g_idx per expert and projection), as loaded
+    from tests.conftest import TESTDATA
+    path = TESTDATA / "llmcompressor-w4a16-actorder-moe"
+    if path.is_dir():
+        args = checkpoint_moe(path)
+        spec = mw.parse_scheme_key(args["scheme"])
+        w13, w2 = (tuple(args[f"{p}_{r}"] for r in W_ROLES) for p in ("w13", "w2"))
+        out = mw.wo_moe_triton(args["hidden_states"], args["top_k_index"], args["top_k_weights"], w13, w2, None, None,
+                               args["activation"], spec, False)
+        res["producer-actorder"] = dict(compare(out, reference(args)), act_order=spec.weight.act_order,
+                                        finite=bool(out.isfinite().all()))
     res["seconds"] = time.time() - t0
     print(json.dumps(res))
 """)
@@ -500,6 +536,15 @@ def test_op_triton_backend_under_interpreter(interpreter_results):
     assert got["shape"] == [2, 2, 128] and got["worst"] <= 1 and got["rel"] <= 1, got
     got = interpreter_results["op_triton_tail"]  # H = 192, I = 160
     assert got["worst"] <= 1 and got["rel"] <= 1, got
+
+
+def test_producer_act_order_experts_under_interpreter(interpreter_results):
+    """llm-compressor's GPTQ act-order experts (tests/data: llmcompressor-w4a16-actorder-moe) through the Triton
+    pipeline against experts_ref's math, within ``compare``'s bound."""
+    got = interpreter_results.get("producer-actorder")
+    if got is None:
+        pytest.skip("llmcompressor-w4a16-actorder-moe is not among the test checkpoints")
+    assert got["act_order"] and got["finite"] and got["worst"] <= 1 and got["rel"] <= 1, got
 
 
 @pytest.mark.parametrize("fmt", ["int4_g32_actorder", "nvfp4", "int8_tensor_zp", "mxfp8", "mxfp4-k160", "nvfp4-k160",
@@ -727,10 +772,11 @@ def test_gpu_grouped_mma_shared_tiles_match_reference(fmt):
     torch.cuda.empty_cache()
 
 
-GPU_CHECKPOINTS = ["llmcompressor-w4a16-gptq-moe", "llmcompressor-w4a16-mixtral", "llmcompressor-w8a16-moe",
-                   "llmcompressor-nvfp4a16-moe", "llmcompressor-nvfp4-moe", "modelopt-nvfp4-moe", "modelopt-mxfp8-moe",
-                   "modelopt-w4a16-nvfp4-moe", "modelopt-w4a16-nvfp4-mixtral", "quark-w-mxfp4-moe",
-                   "quark-w-mxfp4-a-mxfp6-e2m3-moe", "quark-w-int4-a-fp8-moe"]
+GPU_CHECKPOINTS = ["llmcompressor-w4a16-gptq-moe", "llmcompressor-w4a16-actorder-moe", "llmcompressor-w4a16-mixtral",
+                   "llmcompressor-w8a16-moe", "llmcompressor-nvfp4a16-moe", "llmcompressor-nvfp4-moe",
+                   "modelopt-nvfp4-moe", "modelopt-mxfp8-moe", "modelopt-w4a16-nvfp4-moe",
+                   "modelopt-w4a16-nvfp4-mixtral", "quark-w-mxfp4-moe", "quark-w-mxfp4-a-mxfp6-e2m3-moe",
+                   "quark-w-int4-a-fp8-moe"]
 
 
 @pytest.mark.gpu
