@@ -31,14 +31,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .fp8_quant_triton import HAS_TRITON, interpreting, use_triton
+from .fp8_quant_triton import HAS_TRITON, interpreting, pdl, use_triton
 from .quant_math import dequantize_fp8
-from .wo_policy import pdl_default
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .fp8_quant_triton import _pdl_start
     from .wo_gemm_triton import _FMT_FP8, _decode
 
 OP = "qcompile::decode_attention"
@@ -47,11 +47,6 @@ MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
-
-
-def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch on a real GPU, as the weight-only kernel decides it (sm_90+, QCOMPILE_PDL)."""
-    return device.type == "cuda" and not interpreting() and pdl_default(torch.cuda.get_device_capability(device))
 
 
 if HAS_TRITON:
@@ -85,8 +80,8 @@ if HAS_TRITON:
                       s_qb, s_qh, s_qr, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd, s_mb, s_ms,
                       s_ob, s_oh, s_or, s_od, s_ksh, s_vsh,
                       MASK_KIND: tl.constexpr, KV_FP8: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-                      EMU_BF16: tl.constexpr, NATIVE_FP8: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                      EMU_BF16: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
         """One (batch, key / value head, split): the split's keys against the group's ``rep`` query rows.
         ``DIRECT``: the only split, write the output; else the unnormalized sum, its row maxima and row sums
         to the workspace for the merge. ``KV_FP8``: K and V are e4m3 bytes, dequantized as the FP8 cache does
@@ -97,9 +92,7 @@ if HAS_TRITON:
         splits = tl.num_programs(1)
         b = bh // KVH
         h = bh % KVH
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # q, k, v and the mask come from the kernels before
-            tl.extra.cuda.gdc_launch_dependents()
+        _pdl_start(PDL)  # q, k, v and the mask come from the kernels before
         rows = tl.arange(0, BLOCK_M)
         dd = tl.arange(0, BLOCK_D)
         nn = tl.arange(0, BLOCK_N)
@@ -159,16 +152,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _merge_kernel(ACC, ML, OUT, REP, D, KVH, SPLITS, s_ob, s_oh, s_or, s_od, EMU_BF16: tl.constexpr,
-                      PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
         """One (batch, key / value head, query row): the splits' partial sums, all loaded at once, rescaled to
         their largest row maximum and summed."""
         bh = tl.program_id(0)
         r = tl.program_id(1)
         b = bh // KVH
         h = bh % KVH
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        _pdl_start(PDL)
         dd = tl.arange(0, BLOCK_D)
         ss = tl.arange(0, BLOCK_S)
         smask = ss < SPLITS
@@ -258,17 +249,16 @@ def _triton(q, k, v, mask, scale: float, splits: int | None = None, k_scale=None
     acc = out if direct else torch.empty(batch * kvh * splits * block_m * block_d, dtype=torch.float32,
                                          device=q.device)
     ml = out if direct else torch.empty(batch * kvh * splits * 2 * block_m, dtype=torch.float32, device=q.device)
-    pdl, emu = _pdl(q.device), interpreting() and q.dtype == torch.bfloat16
-    launch = {"launch_pdl": True} if pdl else {}
+    launch, emu = pdl(q), interpreting() and q.dtype == torch.bfloat16
     _split_kernel[(batch * kvh, splits)](
         q, k, v, mask, out, acc, ml, *scales, scale, s, rep, d, kvh, chunk, *q.stride(), *k.stride(),
         *v.stride(), *m_strides, *out.stride(), *s_strides, MASK_KIND=kind, KV_FP8=fp8, DIRECT=direct,
-        IEEE=q.dtype == torch.float32 or emu, EMU_BF16=emu, NATIVE_FP8=not interpreting(), PDL=pdl,
+        IEEE=q.dtype == torch.float32 or emu, EMU_BF16=emu, NATIVE_FP8=not interpreting(),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, num_warps=4, **launch)
     if not direct:
         block_s = triton.next_power_of_2(splits)
         _merge_kernel[(batch * kvh, rep)](acc, ml, out, rep, d, kvh, splits, *out.stride(), EMU_BF16=emu,
-                                          PDL=pdl, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s,
+                                          BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=block_s,
                                           num_warps=4 if block_s * block_d <= 8192 else 8, **launch)
     return out
 

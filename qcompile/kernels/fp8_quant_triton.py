@@ -36,6 +36,15 @@ try:
     import triton.language as tl
 
     HAS_TRITON = True
+
+    @triton.jit
+    def _pdl_start(PDL: tl.constexpr):
+        """First statement of a kernel launched with :func:`pdl`: wait until the previous kernel has completed
+        (its outputs written, the memory it reads free to reuse), then let the next kernel launch, so that its
+        programs are resident and waiting when this one ends."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 except ImportError:  # pragma: no cover - triton is optional
     HAS_TRITON = False
 
@@ -51,6 +60,16 @@ def interpreting() -> bool:
 def use_triton(t: torch.Tensor) -> bool:
     """Triton runs CUDA tensors, or CPU tensors under the interpreter."""
     return HAS_TRITON and (t.is_cuda or (interpreting() and t.device.type == "cpu"))
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """The launch keywords of a Triton kernel that takes a ``PDL`` constexpr and starts with :func:`_pdl_start`:
+    programmatic dependent launch for tensors on a GPU of sm_90+ (as the weight-only kernel decides it:
+    ``QCOMPILE_PDL=0`` turns it off), else none."""
+    from .wo_policy import pdl_default
+
+    on = t.is_cuda and not interpreting() and pdl_default(torch.cuda.get_device_capability(t.device))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 def _native_fp8(t: torch.Tensor, native: bool | None) -> bool:

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_quant_triton import HAS_TRITON, use_triton
+from .fp8_quant_triton import HAS_TRITON, pdl, use_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .fp8_quant_triton import _pdl_start
     from .fp8_quant_triton import _quant as _code_bits
     from .fp8_quant_triton import _scale_from_amax as _dense_scale_from_amax
 
@@ -97,15 +98,18 @@ if HAS_TRITON:
     @triton.jit
     def _align_one_kernel(ids_ptr, sorted_ptr, experts_ptr, P, E, MAX_BLOCKS,
                           BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_POW2: tl.constexpr,
-                          B_CHUNK: tl.constexpr):
+                          B_CHUNK: tl.constexpr, PDL: tl.constexpr = False):
         # grid (1,): all pairs in one chunk
+        _pdl_start(PDL)
         offs, e, onehot = _chunk_experts(ids_ptr, 0, P, E, CHUNK, E_POW2)
         start = _layout(tl.sum(onehot, 0), sorted_ptr, experts_ptr, P, MAX_BLOCKS, BLOCK_M, E_POW2, B_CHUNK)
         _scatter(onehot, offs, e, start, sorted_ptr)
 
     @triton.jit
-    def _align_count_kernel(ids_ptr, counts_ptr, P, E, CHUNK: tl.constexpr, E_POW2: tl.constexpr):
+    def _align_count_kernel(ids_ptr, counts_ptr, P, E, CHUNK: tl.constexpr, E_POW2: tl.constexpr,
+                            PDL: tl.constexpr = False):
         # grid (chunks,): counts[c, e] = pairs of chunk c routed to expert e
+        _pdl_start(PDL)
         c = tl.program_id(0)
         _, _, onehot = _chunk_experts(ids_ptr, c, P, E, CHUNK, E_POW2)
         tl.store(counts_ptr + c * E_POW2 + tl.arange(0, E_POW2), tl.sum(onehot, 0))
@@ -113,8 +117,9 @@ if HAS_TRITON:
     @triton.jit
     def _align_scan_kernel(counts_ptr, base_ptr, sorted_ptr, experts_ptr, P, C, MAX_BLOCKS,
                            BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, C_TILE: tl.constexpr,
-                           B_CHUNK: tl.constexpr):
+                           B_CHUNK: tl.constexpr, PDL: tl.constexpr = False):
         # grid (1,): totals, layout, then base[c, e] = start[e] + pairs of e in chunks before c
+        _pdl_start(PDL)
         ex = tl.arange(0, E_POW2)
         totals = tl.zeros([E_POW2], dtype=tl.int32)
         for c0 in range(0, C, C_TILE):
@@ -130,8 +135,10 @@ if HAS_TRITON:
             running += tl.sum(tile, 0)
 
     @triton.jit
-    def _align_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, P, E, CHUNK: tl.constexpr, E_POW2: tl.constexpr):
+    def _align_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, P, E, CHUNK: tl.constexpr, E_POW2: tl.constexpr,
+                              PDL: tl.constexpr = False):
         # grid (chunks,)
+        _pdl_start(PDL)
         c = tl.program_id(0)
         offs, e, onehot = _chunk_experts(ids_ptr, c, P, E, CHUNK, E_POW2)
         _scatter(onehot, offs, e, tl.load(base_ptr + c * E_POW2 + tl.arange(0, E_POW2)), sorted_ptr)
@@ -154,22 +161,24 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     if max_blocks == 0:
         return sorted_ids, block_expert
     e_pow2 = _pow2(num_experts)
+    launch = pdl(ids)
     chunk = max(16, min(_pow2(p), ONEHOT_ELEMS // e_pow2))
     # blocks laid out per step of _layout's loop: [b_chunk, E_POW2] and [b_chunk, block_m] tiles
     b_chunk = max(16, min(_pow2(max_blocks), ONEHOT_ELEMS // max(e_pow2, 4 * block_m)))
     if p <= chunk:
         _align_one_kernel[(1,)](ids, sorted_ids, block_expert, p, num_experts, max_blocks, BLOCK_M=block_m,
-                                CHUNK=chunk, E_POW2=e_pow2, B_CHUNK=b_chunk, num_warps=num_warps)
+                                CHUNK=chunk, E_POW2=e_pow2, B_CHUNK=b_chunk, num_warps=num_warps, **launch)
         return sorted_ids, block_expert
     chunks = triton.cdiv(p, chunk)
     counts = torch.empty((chunks, e_pow2), dtype=torch.int32, device=dev)
     base = torch.empty_like(counts)
-    _align_count_kernel[(chunks,)](ids, counts, p, num_experts, CHUNK=chunk, E_POW2=e_pow2, num_warps=num_warps)
+    _align_count_kernel[(chunks,)](ids, counts, p, num_experts, CHUNK=chunk, E_POW2=e_pow2, num_warps=num_warps,
+                                   **launch)
     _align_scan_kernel[(1,)](counts, base, sorted_ids, block_expert, p, chunks, max_blocks, BLOCK_M=block_m,
                              E_POW2=e_pow2, C_TILE=max(1, ONEHOT_ELEMS // e_pow2), B_CHUNK=b_chunk,
-                             num_warps=num_warps)
+                             num_warps=num_warps, **launch)
     _align_scatter_kernel[(chunks,)](ids, base, sorted_ids, p, num_experts, CHUNK=chunk, E_POW2=e_pow2,
-                                     num_warps=num_warps)
+                                     num_warps=num_warps, **launch)
     return sorted_ids, block_expert
 
 
@@ -356,13 +365,14 @@ if HAS_TRITON:
             PER_PAIR: tl.constexpr,
             FOLD_TOPK: tl.constexpr, SWAP: tl.constexpr, NATIVE_FP8: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            OUT_QUANT: tl.constexpr = False, OUT_FP16: tl.constexpr = False):
+            OUT_QUANT: tl.constexpr = False, OUT_FP16: tl.constexpr = False, PDL: tl.constexpr = False):
         # grid (row blocks, tokens or pairs, cdiv(N, BLOCK_N), split_k). Rows of a program: the pairs of
         # one expert's block (sorted_ids); the pair pid_m alone (PER_PAIR); or token pid_m's FOLD_TOPK
         # pairs one after the other, summed in order (FOLD_TOPK > 0). A row = pair // A_DIV.
         # out[pid_k, pair (token when folding), n]. The bias b[expert, n] is added by split 0.
         # OUT_QUANT: out holds the codes of y, rounded to x's dtype (fp16 when OUT_FP16, else bf16),
         # quantized with the static scale qs[0]: what the separate quantization kernel would make of it.
+        _pdl_start(PDL)
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(2)
         offs_m = tl.arange(0, BLOCK_M)
@@ -432,9 +442,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_sum_kernel(part_ptr, ids_ptr, out_ptr, H, E, stride_ps,
-                        TOPK: tl.constexpr, SPLIT: tl.constexpr, CHECK_IDS: tl.constexpr, BLOCK_H: tl.constexpr):
+                        TOPK: tl.constexpr, SPLIT: tl.constexpr, CHECK_IDS: tl.constexpr, BLOCK_H: tl.constexpr,
+                        PDL: tl.constexpr = False):
         # grid (T, cdiv(H, BLOCK_H)): out[t] = sum_j sum_s part[s, t*TOPK + j], fixed order; rows of
         # pairs whose expert id is outside [0, E) are skipped (CHECK_IDS)
+        _pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)

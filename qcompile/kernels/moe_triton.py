@@ -61,7 +61,7 @@ from ..errors import UnsupportedError
 from ..scheme import Granularity, QDtype, QuantScheme
 from . import fp8_quant_triton as fq
 from . import quant_math
-from .fp8_quant_triton import HAS_TRITON, interpreting, use_triton
+from .fp8_quant_triton import HAS_TRITON, interpreting, pdl, use_triton
 from .moe_config import (ACTIVATIONS, OP, GemmConfig, MoeConfig, MoeQuant, get_config, moe_quant,
                          normalize_config, tune)  # noqa: F401 - tune: part of this module's interface
 from .registry import Kernel, KernelQuery, cuda_reason, register, unknown_backend
@@ -180,7 +180,7 @@ def _gemm(a, a_scale, a_mode, a_strides, a_div, w, w_scale, bias, out, route, ro
         W_INT8=q.int8, W_GRAN=q.w_gran, A_GRAN=q.a_gran, A_MODE=a_mode, GATED=gated, ACT=act, HAS_BIAS=bias is not None,
         ROUTE=route is not None, PER_PAIR=per_pair, FOLD_TOPK=fold_topk, SWAP=g.swap, NATIVE_FP8=_native_fp8(a),
         BLOCK_M=block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, OUT_QUANT=out_scale is not None, OUT_FP16=out_fp16,
-        num_warps=g.num_warps, num_stages=g.num_stages)
+        num_warps=g.num_warps, num_stages=g.num_stages, **pdl(a))
     return splits
 
 
@@ -240,7 +240,7 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale
     block_h = min(_pow2(h), 512)
     _moe_sum_kernel[(t, triton.cdiv(h, block_h))](part, ids, out, h, e, part.stride(0), TOPK=1 if cfg.fold_topk else k,
                                                   SPLIT=split, CHECK_IDS=not cfg.fold_topk, BLOCK_H=block_h,
-                                                  num_warps=4)
+                                                  num_warps=4, **pdl(out))
     return out
 
 

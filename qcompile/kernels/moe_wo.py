@@ -48,7 +48,7 @@ from ..errors import UnsupportedError
 from ..scheme import QuantScheme, parse_scheme_key
 from .experts_ref import (ACTIVATIONS, NON_GATED, ROLES, check_call, is_gated, reference_experts,
                           register_straight_through)
-from .fp8_quant_triton import HAS_TRITON, use_triton
+from .fp8_quant_triton import HAS_TRITON, pdl, use_triton
 from . import quant_math
 from .moe_kernels import moe_align
 from .registry import HALF, Kernel, KernelQuery, cuda_reason, register, unknown_backend
@@ -60,13 +60,15 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .fp8_quant_triton import _pdl_start
     from .moe_kernels import _epilogue, _moe_sum_kernel
 
     @triton.jit
     def _act_rows_kernel(h_ptr, a_ptr, N1, I, stride_hs, alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr,
-                         SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+                         SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         # grid (pairs, cdiv(I, BLOCK)): a[p] = act(sum_s h[s, p, :I], sum_s h[s, p, I:]) in a's dtype; the K
         # splits summed in order, then the fused MoE's epilogue math (no bias: GEMM 1 added it)
+        _pdl_start(PDL)
         p = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = c < I
@@ -212,7 +214,9 @@ def wo_moe_triton(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: s
         # one token: each pair is a block of its own (no sort launch; a top-k's experts are distinct)
         align = flat_ids if t == 1 else moe_align(flat_ids, e, mma["block_m"])
         hid = grouped(launches[0], x, a_div, *w13[:4], b13, spec.weight, align, pairs, None)
-        a = activate(hid.unsqueeze(0), activation, i, x.dtype)  # (a Triton launch without PDL: GEMM 2 is ready)
+        # GEMM 2 starts once every program of the activation kernel has waited for GEMM 1, which waited for the
+        # ids: they are complete, and GEMM 2 requests its weights before it waits for the activation (ready)
+        a = activate(hid.unsqueeze(0), activation, i, x.dtype)
         y = grouped(launches[1], a, 1, *w2[:4], b2, spec.weight, align, pairs, route, ready=True).unsqueeze(0)
     elif configs is None and dequantizes(x, pairs, e, dequant_rows):
         y = _dequantized_experts(x, a_div, flat_ids, route, w13, w2, b13, b2, activation, spec, i)
@@ -224,7 +228,7 @@ def wo_moe_triton(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: s
         y = _grouped_gemm(activate(hid, activation, i, x.dtype), 1, w2, b2, route, spec.weight, cfg2, align, pairs)
     block_h = min(_pow2(h), 512)
     _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, flat_ids, out, h, e, y.stride(0), TOPK=k, SPLIT=y.shape[0],
-                                                  CHECK_IDS=True, BLOCK_H=block_h, num_warps=4)
+                                                  CHECK_IDS=True, BLOCK_H=block_h, num_warps=4, **pdl(out))
     return out
 
 
@@ -239,7 +243,7 @@ def activate(hid: torch.Tensor, activation: str, i: int, dtype: torch.dtype) -> 
     block = min(_pow2(i), 1024)
     _act_rows_kernel[(pairs, triton.cdiv(i, block))](hid, out, n1, i, hid.stride(0), alpha, limit,
                                                        ACT=ACT_CODES[name.removesuffix("_no_mul")], GATED=gated,
-                                                       SPLIT=split, BLOCK=block, num_warps=4)
+                                                       SPLIT=split, BLOCK=block, num_warps=4, **pdl(out))
     return out
 
 
