@@ -298,6 +298,7 @@ class QuantExperts(nn.Module):
             for shard, part in enumerate(parts):
                 self._take(slots[e, shard], leaf, part)
             release_memory(rows)
+        release_memory(t)  # the pages the experts' ranges did not cover whole
 
     def _place(self, slot: ExpertSlot, role: str, c: torch.Tensor) -> None:
         e, group, shard = slot.expert, slot.group, slot.shard
