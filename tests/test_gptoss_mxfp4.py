@@ -215,3 +215,12 @@ def test_experts_left_unquantized_by_the_config_but_stored_quantized(src, tmp_pa
         cfg["quantization_config"]["modules_to_not_convert"].append("model.layers.0.mlp")
     with pytest.raises(CheckpointError, match=rf"{E0}: .*unquantized.*\({E0}\.\w+_(blocks|scales): torch.uint8"):
         qcompile.load(broken(src, tmp_path, config=config))
+
+
+def test_experts_kernel_on_sm90(src, monkeypatch):
+    """On a CUDA sm_90 device (mocked) the bf16 model's experts lower to the weight-only MoE, biases and
+    gpt-oss's activation included: nothing dropped (no reason)."""
+    from tests.test_moe_formats import sm90_rows
+
+    rows = sm90_rows(experts_of(_load(str(src), torch.bfloat16))[E0], monkeypatch)
+    assert [(r.kernel, r.reason) for r in rows] == [("wo_moe", "")]
