@@ -180,10 +180,10 @@ class QuantExperts(nn.Module):
             header = mod._plan_fused(header)
         else:
             _check_expert_count(header, disk_prefix, shape.num_experts, naming)
-        if (shape.interleaved or shape.transposed) and not fused:
-            raise UnsupportedError("per-expert checkpoint tensors for an experts module whose gate and up are "
-                                   "interleaved (gpt-oss layout) are not supported", where=name,
-                                   fix="store the experts fused (gate_up_proj) or use a gate-then-up model")
+            if shape.interleaved or shape.transposed:
+                raise UnsupportedError("per-expert checkpoint tensors for an experts module whose gate and up are "
+                                       "interleaved (gpt-oss layout) are not supported", where=name,
+                                       fix="store the experts fused (gate_up_proj) or use a gate-then-up model")
         dims = ((shape.intermediate, shape.hidden),) * 2 + ((shape.hidden, shape.intermediate),)
         for e in range(shape.num_experts):
             holder = nn.Module()

@@ -224,3 +224,27 @@ def test_experts_kernel_on_sm90(src, monkeypatch):
 
     rows = sm90_rows(experts_of(_load(str(src), torch.bfloat16))[E0], monkeypatch)
     assert [(r.kernel, r.reason) for r in rows] == [("wo_moe", "")]
+
+
+def test_experts_left_unquantized_load_as_stored(src, tmp_path):
+    """Layer 1's experts listed in modules_to_not_convert and stored in bf16 (the HF module's own
+    ``gate_up_proj`` [E, H, 2I] / ``down_proj``): they stay an HF experts module; the model still matches
+    transformers' on the same file."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    e1 = "model.layers.1.mlp.experts"
+
+    def edit(state):
+        for p in ("gate_up_proj", "down_proj"):
+            blocks, scales = state.pop(f"{e1}.{p}_blocks"), state.pop(f"{e1}.{p}_scales")
+            state[f"{e1}.{p}"] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+
+    def config(cfg):
+        cfg["quantization_config"]["modules_to_not_convert"].append(e1)
+    path = broken(src, tmp_path, edit, config)
+    with pytest.warns(UserWarning, match=rf"1 MoE experts modules stay in torch.float32 \({e1}"):
+        model = qcompile.load(path, dtype=torch.float32)
+    assert list(experts_of(model)) == [E0]
+    assert type(model.get_submodule(e1)).__name__ == "GptOssExperts"
+    with torch.no_grad():
+        assert rel_err(model(IDS).logits, _transformers(path)(IDS).logits) < 1e-5

@@ -47,7 +47,7 @@ def shard_names(module_name: str) -> list[str]:
 class QuantConfig(ABC):
     """A parsed checkpoint quantization config.
 
-    ``format`` names the producer format ("modelopt", "compressed-tensors", "quark", "online").
+    ``format`` names the producer format ("modelopt", "compressed-tensors", "quark", "mxfp4", "online").
     ``kv_cache`` is the KV-cache quantization the checkpoint declares, if any.
     ``raw`` is the config dict as read, kept so the model can be saved / reported unchanged.
     ``fused_experts``: the format stores a MoE layer's quantized experts fused, one tensor per parameter of
