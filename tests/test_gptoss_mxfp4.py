@@ -24,9 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import qcompile
-from qcompile.errors import CheckpointError, ConfigError
+from qcompile.errors import CheckpointError
 from qcompile.experts import QuantExperts, is_experts
-from qcompile.formats import parse_quant_config
 from tests.test_moe_formats import IDS, compile_graph, op_lines, rel_err
 
 NAME = "gptoss-mxfp4-tiny"
@@ -60,29 +59,6 @@ def _transformers(path: str):
 
 def experts_of(model) -> dict[str, QuantExperts]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
-
-
-def test_config_quantizes_the_experts_only():
-    config = parse_quant_config({"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head", "model.layers.1"]})
-    assert config.resolve(E0, "moe").scheme.key == MXFP4
-    assert config.resolve("model.layers.11.mlp.experts", "moe").scheme.key == MXFP4  # a module boundary
-    assert config.resolve("model.layers.1.mlp.experts", "moe") is None
-    for linear in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.router", "lm_head"):
-        assert config.resolve(linear) is None
-    assert parse_quant_config({"quant_method": "mxfp4"}).resolve(E0, "moe").scheme.key == MXFP4
-
-
-@pytest.mark.parametrize("config,match", [
-    ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
-    ({"modules_to_not_convert": ["lm_head", 3]}, r"modules_to_not_convert\[1\]"),
-    ({"modules_to_not_convert": ["(lm_head"]}, r"modules_to_not_convert\[0\].*invalid regex"),
-    ({"modules_to_not_convert": ["(a+)+b"]}, "backtrack"),
-    ({"dequantize": "yes"}, "dequantize"),
-])
-def test_malformed_config(config, match):
-    with pytest.raises(ConfigError, match=match):
-        parse_quant_config({"quant_method": "mxfp4", **config})
 
 
 def test_loads_quantized(src):
