@@ -143,6 +143,25 @@ def test_round_trips(src, tmp_path):
         assert got[key].dtype == want[key].dtype and _bytes(got[key]) == _bytes(want[key]), key
 
 
+def test_tiled_experts_round_trip(src, tmp_path):
+    """A GPU load tiles the experts for wo_mma's grouped build (QuantExperts._tile, here on the CPU; a random
+    gpt-oss of hidden / intermediate 256, which that build takes): the reference runs the tiled layout exactly,
+    and saving writes the fused tensors back byte for byte."""
+    from tests.test_moe_memory import write_gptoss
+    from tests.test_roundtrip import assert_same_checkpoint
+
+    path = write_gptoss(src, tmp_path / "src", experts=4, hidden=256, inter=256)
+    model = qcompile.load(str(path))
+    x = torch.randint(3, 300, (1, 6))
+    want = model(x).logits
+    experts = list(experts_of(model).values())
+    assert experts and all(m._tile() for m in experts)
+    assert all(m.scheme_key == "w=fp4_e2m1/group32:e8m0/pack=uint8/tiled;a=none" for m in experts)
+    assert torch.equal(model(x).logits, want)
+    model.save_pretrained(tmp_path / "saved")
+    assert_same_checkpoint(path, tmp_path / "saved")
+
+
 # -- malformed checkpoints ---------------------------------------------------------------------
 
 def broken(src: Path, tmp_path: Path, edit=None, config=None) -> str:
