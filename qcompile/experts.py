@@ -2,10 +2,11 @@
 
 transformers 5 holds a MoE layer's experts fused: ``gate_up_proj`` [E, 2I, H] (gate rows then up rows;
 gpt-oss: [E, H, 2I] with gate and up interleaved) and ``down_proj`` [E, H, I] ([E, I, H]). Every producer
-saves them per expert, ``experts.<e>.{gate,up,down}_proj.*`` (Mixtral ``experts.<e>.w1 / w3 / w2``).
-A QuantExperts keeps the quantized tensors stacked over experts in canonical form (on-disk dtypes: fp8
-stays fp8, packed stays packed), the gate and up projection fused as ``w13_*`` and the down projection
-as ``w2_*`` (the layout of :mod:`qcompile.kernels.experts_ref`):
+saves them per expert, ``experts.<e>.{gate,up,down}_proj.*`` (Mixtral ``experts.<e>.w1 / w3 / w2``); gpt-oss's
+own checkpoints fused per HF parameter, ``experts.gate_up_proj_blocks`` [E, 2I, ...] in the module's row order
+(``QuantConfig.fused_experts``). A QuantExperts keeps the quantized tensors stacked over experts in canonical
+form (on-disk dtypes: fp8 stays fp8, packed stays packed), the gate and up projection fused as ``w13_*`` and
+the down projection as ``w2_*`` (the layout of :mod:`qcompile.kernels.experts_ref`):
 
 =====================  =====================================================================
 weight codes           ``w13_weight`` [E, 2I, K'] (gate rows, then up rows), ``w2_weight`` [E, H, I']
@@ -26,14 +27,18 @@ Life cycle (driven by :mod:`qcompile.loading`), as :class:`~qcompile.linear.Quan
    :meth:`QuantLinear.plan` itself (presence, dtype, shape of every tensor, errors naming the expert and
    tensor), as :class:`ExpertSlot` holders under the per-expert names transformers loads
    (``experts.<e>.gate_proj.weight``); transformers' own gate/up merge is switched off for these modules.
+   Fused on disk (:meth:`QuantExperts._plan_fused`): the fused tensors are checked and declared on the module
+   itself, and the slots are planned from the same tensors cut per expert and shard.
 2. transformers sets each tensor on its slot; the slot hands it over at once
    (:meth:`QuantExperts.receive`): converted by the slot's ``_to_canonical``, copied into its place
    in the stacked tensor (allocated unfilled: it takes memory as it fills) and its file pages released,
    so a load holds the stacked part plus the checkpoint pages not yet stacked, never a second copy of a
-   layer (tests/test_moe_memory.py: the peak stays within 1.1x the loaded weights).
+   layer (tests/test_moe_memory.py: the peak stays within 1.1x the loaded weights). A fused tensor
+   (:meth:`QuantExperts._receive_fused`) is handed to the slots expert by expert, gate and up rows
+   de-interleaved (a permutation of rows: the bytes are kept), each expert's pages released once taken.
 3. :meth:`QuantExperts.finalize`: every expected tensor arrived; per-shard scalars merged as above.
 4. :meth:`QuantExperts.disk_tensors` (``save_pretrained``): the per-expert checkpoint tensors back (bit-equal
-   to the checkpoint's, but for experts whose gate and up were requantized to one scale).
+   to the checkpoint's, but for experts whose gate and up were requantized to one scale), or the fused ones.
 """
 
 from __future__ import annotations
@@ -50,9 +55,9 @@ from torch import nn
 from .errors import CheckpointError, UnsupportedError
 from .kernels import experts_ref  # noqa: F401  (registers the op)
 from .kernels.experts_ref import ROLES, expert_slice
-from .linear import FLOATS, QuantLinear, _param, release_memory
+from .linear import FLOATS, QuantLinear, _param, allowed_dtypes, release_memory
 from .kernels import quant_math
-from .scheme import Granularity, LayerQuant, ScaleDtype, parse_scheme_key
+from .scheme import Granularity, LayerQuant, ScaleDtype, disk_shape, parse_scheme_key, shape_matches
 
 log = logging.getLogger("qcompile")
 
@@ -158,21 +163,27 @@ class QuantExperts(nn.Module):
         self.__dict__["stack"] = {}  # (group, role) -> the stacked tensor being filled
         self.__dict__["received"] = set()
         self.__dict__["hf_template"] = None  # the replaced HF module (meta), for dequantize_model
+        self.__dict__["fused"] = {}  # fused checkpoint tensor -> (HF parameter, name, dtype, shape, shape read as)
         self.w13_bias = self.w2_bias = None
 
     # -- 1. plan ---------------------------------------------------------------------------------
     @classmethod
     def plan(cls, module: nn.Module, name: str, lq: LayerQuant, header: dict, disk_prefix: str,
-             naming: tuple[str, ...]) -> "QuantExperts":
+             naming: tuple[str, ...] = NAMINGS[0], fused: bool = False) -> "QuantExperts":
+        """``fused``: the checkpoint stores the experts fused per HF parameter (:meth:`_plan_fused`), else per
+        expert under ``<disk_prefix>.<e>.<naming>``."""
         shape = ExpertsShape.of(module, name)
         dtype = module.gate_up_proj.dtype if module.gate_up_proj.dtype in FLOATS else torch.bfloat16
         mod = cls(name, lq, shape, disk_prefix, naming, dtype)
         mod.__dict__["hf_template"] = module
-        _check_expert_count(header, disk_prefix, shape.num_experts, naming)
-        if shape.interleaved or shape.transposed:
-            raise UnsupportedError("per-expert checkpoint tensors for an experts module whose gate and up are "
-                                   "interleaved (gpt-oss layout) are not supported", where=name,
-                                   fix="store the experts fused (gate_up_proj) or use a gate-then-up model")
+        if fused:
+            header = mod._plan_fused(header)
+        else:
+            _check_expert_count(header, disk_prefix, shape.num_experts, naming)
+            if shape.interleaved or shape.transposed:
+                raise UnsupportedError("per-expert checkpoint tensors for an experts module whose gate and up are "
+                                       "interleaved (gpt-oss layout) are not supported", where=name,
+                                       fix="store the experts fused (gate_up_proj) or use a gate-then-up model")
         dims = ((shape.intermediate, shape.hidden),) * 2 + ((shape.hidden, shape.intermediate),)
         for e in range(shape.num_experts):
             holder = nn.Module()
@@ -183,9 +194,54 @@ class QuantExperts(nn.Module):
                 slot.__dict__["owner"] = mod
                 holder.register_module(leaf, slot)
                 mod.slots.append(slot)
-            mod.register_module(str(e), holder)
+            if not fused:  # fused: transformers sets the fused tensors on this module itself
+                mod.register_module(str(e), holder)
         mod._check_uniform_dtypes()
         return mod
+
+    def _plan_fused(self, header: dict) -> dict:
+        """Experts stored fused (``QuantConfig.fused_experts``): ``<prefix>.<gate_up_proj|down_proj>_<name>``
+        [E, ...] for each tensor of the scheme and the bias, in the HF module's row order (gpt-oss: gate and up
+        interleaved), not transposed. Checks each (presence, dtype, shape: errors name the tensor), declares it
+        on this module on the meta device, where transformers loads it (:meth:`_receive_fused`), and returns the
+        header the per-expert slots are planned from: those tensors cut per expert and shard, as
+        :meth:`_receive_fused` hands them to the slots."""
+        s, lq, scheme = self.shape, self.lq, self.lq.scheme
+        per_expert = {}
+        for param, (n, k), leaves in (("gate_up_proj", (2 * s.intermediate, s.hidden), self.naming[:2]),
+                                      ("down_proj", (s.hidden, s.intermediate), self.naming[2:])):
+            entries = [(t.name, disk_shape(t, scheme, n, k), allowed_dtypes(t.role, lq), not t.optional)
+                       for t in lq.tensors] + [("bias", (n,), FLOATS, s.has_bias)]
+            for leaf, want, ok, required in entries:
+                full = f"{self.disk_prefix}.{param}_{leaf}"
+                if full not in header:
+                    if required:
+                        raise CheckpointError(
+                            f"tensor {full!r} is missing from the checkpoint", where=self.name,
+                            fix=f"the {lq.source} experts store {param}_{{{', '.join(e[0] for e in entries)}}}; "
+                                "re-export the checkpoint or leave this layer unquantized in the config")
+                    continue
+                dtype, stored = header[full]
+                want = (s.num_experts, *want)
+                if dtype not in ok:
+                    raise CheckpointError(f"tensor {full!r} has dtype {dtype}, expected one of {list(ok)}",
+                                          where=self.name, fix=f"the config says {scheme.key}; the checkpoint and its "
+                                          "config disagree")
+                if not shape_matches(stored, want):
+                    raise CheckpointError(f"tensor {full!r} has shape {list(stored)}, expected {list(want)} for "
+                                          f"{s.num_experts} experts of [{n}, {k}] under {scheme.key}", where=self.name,
+                                          fix="the checkpoint does not match the model config or the quantization "
+                                              "config")
+                if len(want) < 2 or want[1] != n:
+                    raise UnsupportedError(f"tensor {full!r} ({list(want)}) has no row per output: fused experts "
+                                           "tensors are cut per row", where=self.name,
+                                           fix="store these experts per expert")
+                self.register_parameter(f"{param}_{leaf}", _param(torch.empty(stored, dtype=dtype, device="meta")))
+                self.fused[f"{param}_{leaf}"] = (param, leaf, dtype, tuple(stored), want)
+                for e in range(s.num_experts):
+                    for name in leaves:
+                        per_expert[f"{self.disk_prefix}.{e}.{name}.{leaf}"] = (dtype, (n // len(leaves), *want[2:]))
+        return per_expert
 
     def _check_uniform_dtypes(self) -> None:
         """One stacked tensor per role: every expert must store it in one dtype."""
@@ -203,6 +259,10 @@ class QuantExperts(nn.Module):
     def receive(self, slot: ExpertSlot, name: str, t: torch.Tensor) -> None:
         """Take the checkpoint tensor ``name`` of ``slot`` as transformers loaded it: canonical form, into
         its place in the stacked tensor; the source is released."""
+        self._take(slot, name, t)
+        release_memory(t)
+
+    def _take(self, slot: ExpertSlot, name: str, t: torch.Tensor) -> None:
         if name == "bias":
             self._place(slot, "bias", t.to(self.dtype))
         else:
@@ -214,7 +274,31 @@ class QuantExperts(nn.Module):
             if c is not None:
                 self._place(slot, spec.role, c)
         self.received.add((slot.expert, slot.group, slot.shard, name))
-        release_memory(t)
+
+    def __setattr__(self, name, value):
+        fused = self.__dict__.get("fused")
+        if fused and name in fused and isinstance(value, torch.Tensor) and value.device.type != "meta":
+            self._receive_fused(name, value.data)
+            return
+        super().__setattr__(name, value)
+
+    @torch.no_grad()
+    def _receive_fused(self, name: str, t: torch.Tensor) -> None:
+        """A fused checkpoint tensor (:meth:`_plan_fused`): each expert's rows go to its slots as a per-expert
+        checkpoint's tensors would (gate and up de-interleaved where the HF layout interleaves them: a permutation
+        of the rows, the bytes kept), and that expert's pages are released once taken."""
+        param, leaf, _, _, want = self.fused[name]
+        del self._parameters[name]
+        group = "w13" if param == "gate_up_proj" else "w2"
+        slots = {(slot.expert, slot.shard): slot for slot in self.slots if slot.group == group}
+        t = t.reshape(want)
+        for e in range(self.num_experts):
+            rows = t[e]
+            parts = (rows,) if group == "w2" else (rows[0::2], rows[1::2]) if self.shape.interleaved else rows.chunk(2)
+            for shard, part in enumerate(parts):
+                self._take(slots[e, shard], leaf, part)
+            release_memory(rows)
+        release_memory(t)  # the pages the experts' ranges did not cover whole
 
     def _place(self, slot: ExpertSlot, role: str, c: torch.Tensor) -> None:
         e, group, shard = slot.expert, slot.group, slot.shard
@@ -241,13 +325,18 @@ class QuantExperts(nn.Module):
     def finalize(self) -> None:
         if self.finalized:
             return
+        missing = [name for name in self.fused if name in self._parameters]
+        if missing:
+            raise CheckpointError(f"tensor {self.disk_prefix}.{missing[0]} was not loaded", where=self.name,
+                                  fix="the checkpoint index lists it but no shard held it; check the shards")
         self._check_all_received()
         stack, per_shard = self.stack, self.per_shard
         for (group, role), t in per_shard.items():
             stack[group, role] = self._merge(group, role, t)
         self._split_partial_row_blocks()
         for e in range(self.num_experts):
-            delattr(self, str(e))
+            if str(e) in self._modules:
+                delattr(self, str(e))
         for (group, role), t in stack.items():
             setattr(self, f"{group}_{role}", _param(t))
         self.__dict__["stack"] = {}
@@ -398,6 +487,20 @@ class QuantExperts(nn.Module):
             if slot.bias is not None:
                 out[f"{slot.expert}.{leaf}.bias"] = self._rows(self.w13_bias if slot.group == "w13" else self.w2_bias,
                                                               slot).to(slot.bias.dtype).clone()
+        return self._fused_disk_tensors(out) if self.fused else out
+
+    def _fused_disk_tensors(self, per_expert: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The per-expert tensors of :meth:`disk_tensors` put back together as the fused checkpoint stored them
+        (the inverse of :meth:`_receive_fused`)."""
+        out = {}
+        for name, (param, leaf, dtype, stored, _) in self.fused.items():
+            leaves = self.naming[:2] if param == "gate_up_proj" else self.naming[2:]
+            experts = []
+            for e in range(self.num_experts):
+                parts = [per_expert[f"{e}.{projection}.{leaf}"] for projection in leaves]
+                interleave = len(parts) == 2 and self.shape.interleaved
+                experts.append(torch.stack(parts, 1).flatten(0, 1) if interleave else torch.cat(parts))
+            out[name] = torch.stack(experts).to(dtype).reshape(stored).contiguous()
         return out
 
     def _canonical_of(self, slot: ExpertSlot, role: str, untiled: dict) -> torch.Tensor | None:

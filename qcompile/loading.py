@@ -348,6 +348,12 @@ def _plan_experts(name: str, module: nn.Module, qconfig: QuantConfig, header: di
 
         lq = qconfig.resolve(name, "moe")
         return None if lq is None else OnlineExperts.plan_online(module, name, lq)
+    if qconfig.fused_experts:
+        lq = qconfig.resolve(name, "moe")
+        if lq is None:
+            _check_fused_unquantized(name, header, qconfig)
+            return None
+        return QuantExperts.plan(module, name, lq, header, name, fused=True)
     found = locate_experts(name, on_disk)
     if found is None:
         return None  # stored fused in the model's own layout (bf16), or not at all: transformers loads it
@@ -359,6 +365,17 @@ def _plan_experts(name: str, module: nn.Module, qconfig: QuantConfig, header: di
                 _check_unquantized(f"{prefix}.{e}.{leaf}", header, qconfig)
         return None
     return QuantExperts.plan(module, name, lq, header, prefix, naming)
+
+
+def _check_fused_unquantized(name: str, header: dict, qconfig: QuantConfig) -> None:
+    """An experts module a fused-experts config leaves unquantized must hold float tensors only."""
+    stored = next((key for key, (dtype, _) in header.items() if key.startswith(f"{name}.") and dtype not in
+                   (torch.float32, torch.bfloat16, torch.float16)), None)
+    if stored is not None:
+        raise CheckpointError(
+            f"the {qconfig.format} config leaves this experts module unquantized but the checkpoint stores it "
+            f"quantized ({stored}: {header[stored][0]})", where=name,
+            fix="the quantization config's modules_to_not_convert does not match the checkpoint; fix the config")
 
 
 def _check_unquantized(name: str, header: dict, qconfig: QuantConfig) -> None:

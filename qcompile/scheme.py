@@ -187,7 +187,9 @@ class TensorSpec:
     int32 with offset 2^(bits-1), code i of a column at bits bits*(i % (32/bits)) of word i // (32/bits)
     (compressed-tensors' asymmetric pack-quantized zero points); unpacked at load. ``int4_order``: the
     file's int32 words hold two's-complement int4 codes, nibble i holding code ``int4_order[i]`` of its
-    eight (Quark); converted to the canonical INT32 word at load and back when saving."""
+    eight (Quark); converted to the canonical INT32 word at load and back when saving. ``blocks``: the
+    file splits a group-scaled weight's packed row into [K/g, g·bits/8], one row of bytes per scale group
+    (gpt-oss ``*_blocks``: [N, K/32, 16]); the same bytes in the same order."""
 
     role: str
     name: str
@@ -195,6 +197,7 @@ class TensorSpec:
     optional: bool = False
     packed_rows: bool = False
     int4_order: tuple[int, ...] = ()
+    blocks: bool = False
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -244,8 +247,12 @@ def canonical_shape(role: str, scheme: QuantScheme, n: int, k: int) -> tuple[int
 
 def disk_shape(spec: TensorSpec, scheme: QuantScheme, n: int, k: int) -> tuple[int, ...]:
     """Shape of ``spec``'s tensor in the checkpoint: the canonical one, or for ``packed_rows`` its rows
-    packed 32/bits per int32 (a per-channel [N] tensor is stored [N, 1] before packing)."""
+    packed 32/bits per int32 (a per-channel [N] tensor is stored [N, 1] before packing), or for ``blocks``
+    its rows split per scale group."""
     shape = canonical_shape(spec.role, scheme, n, k)
+    if spec.blocks:
+        g = scheme.weight.scale.group_size
+        return (*shape[:-1], math.ceil(k / g), g * scheme.weight.dtype.bits // 8)
     if not spec.packed_rows:
         return shape
     per = 32 // scheme.weight.dtype.bits

@@ -13,12 +13,14 @@ PARSERS = {
     "compressed-tensors": "compressed_tensors",
     "quark": "quark",
     "online": "online",
+    "mxfp4": "mxfp4",
 }
 
 
 def parse_quant_config(config: Any) -> QuantConfig:
     """Parse a checkpoint's quantization config (the ``quantization_config`` of config.json, a
-    ModelOpt ``hf_quant_config.json`` dict, or qcompile's own ``{"quant_method": "online", ...}``)."""
+    ModelOpt ``hf_quant_config.json`` dict, gpt-oss's ``{"quant_method": "mxfp4", ...}``, or qcompile's
+    own ``{"quant_method": "online", ...}``)."""
     import importlib
 
     if not isinstance(config, dict):

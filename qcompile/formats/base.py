@@ -47,12 +47,16 @@ def shard_names(module_name: str) -> list[str]:
 class QuantConfig(ABC):
     """A parsed checkpoint quantization config.
 
-    ``format`` names the producer format ("modelopt", "compressed-tensors", "quark", "online").
+    ``format`` names the producer format ("modelopt", "compressed-tensors", "quark", "mxfp4", "online").
     ``kv_cache`` is the KV-cache quantization the checkpoint declares, if any.
     ``raw`` is the config dict as read, kept so the model can be saved / reported unchanged.
+    ``fused_experts``: the format stores a MoE layer's quantized experts fused, one tensor per parameter of
+    the transformers experts module and tensor name, ``<experts>.<gate_up_proj|down_proj>_<name>`` [E, ...]
+    (gpt-oss), instead of per expert.
     """
 
     format: str = ""
+    fused_experts: bool = False
 
     def __init__(self, raw: dict[str, Any], kv_cache: KVCacheSpec | None = None):
         self.raw = raw
