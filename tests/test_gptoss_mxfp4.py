@@ -249,8 +249,8 @@ def test_experts_left_unquantized_load_as_stored(src, tmp_path):
 def test_gpu_compiled_model_runs_wo_moe(src):
     """Loaded on the GPU in bf16 and compiled by qcompile under inductor: both experts layers run ``wo_moe``
     (tiled at load where wo_mma takes the shape, else its Triton kernel), and the logits stay within 2e-2 of the
-    eager model's (the reference op; bf16 roundings in another order) and within 3e-2 of transformers' fp32
-    model of the same file."""
+    eager model's (the reference op, which the CPU tests hold to transformers' model; bf16 roundings in another
+    order)."""
     model = qcompile.load(str(src), device="cuda")
     ids = IDS.cuda()
     be = qcompile.backend()
@@ -261,4 +261,3 @@ def test_gpu_compiled_model_runs_wo_moe(src):
     experts = [r for r in be.rows if r.op == "qcompile::wo_moe"]
     assert len(experts) == 2 and {r.kernel for r in experts} == {"wo_moe"}, be.explain()
     assert rel_err(got, want) < 2e-2
-    assert rel_err(got.cpu(), _transformers(str(src))(IDS).logits) < 3e-2
