@@ -22,7 +22,10 @@ then counts the mean number of experts touched).
     python benchmarks/bench_moe.py [--shapes mixtral qwen3-30b-a3b] [--tokens 1 4 16 64 256 4096]
                                    [--tune] [--weight-only] [--rotate N] [--json out.json] [--markdown]
 
-``--tune`` runs :func:`qcompile.kernels.moe_config.tune` for every (shape, T, scheme) first (cached on
+``--pdl-ab`` times instead three rows (FP8 tensor static, FP8 channel x token, int4 g128 weight-only) with
+qcompile's Triton kernels (the token sort, the MoE GEMMs, activation and top-k sum) launched without and with
+programmatic dependent launch, alternately in one process. ``--tune`` runs
+:func:`qcompile.kernels.moe_config.tune` for every (shape, T, scheme) first (cached on
 disk) and prints the tuned entries in the form of the shipped ``TUNED`` table. ``--dry-run`` runs tiny
 shapes on the CPU (the reference path, or the Triton interpreter under TRITON_INTERPRET=1) with
 wall-clock timing: a smoke test of this script, not a measurement.
@@ -100,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-order", action="store_true",
                    help="with --weight-only: keep the experts in the checkpoint's word order, not tiled as a GPU "
                         "load stores them (the grouped wo_mma build's comparison)")
+    p.add_argument("--pdl-ab", action="store_true",
+                   help="instead: FP8 tensor / channel and int4 g128 rows with qcompile's Triton kernels launched "
+                        "without and with programmatic dependent launch, alternately (medians of 3 rounds)")
     return p
 
 
@@ -300,6 +306,21 @@ def wo_expert_weights(spec: WeightSpec, e: int, n: int, k: int, device: str, see
     return tuple(None if parts[0][j] is None else torch.stack([p[j] for p in parts]) for j in range(3)) + (None, None)
 
 
+def wo_layer(spec, e: int, h: int, i: int, device: str, seed: int, tiled: bool = True) -> tuple:
+    """(scheme, w13, w2) of random weight-only experts (:func:`wo_expert_weights`), as a GPU load holds them
+    where ``tiled`` (:func:`as_loaded`)."""
+    w13, w2 = (wo_expert_weights(spec.weight, e, nn, kk, device, seed + j) for j, (nn, kk) in enumerate(((2 * i, h),
+                                                                                                          (h, i))))
+    return as_loaded(spec, w13, w2, h, i) if tiled else (spec, w13, w2)
+
+
+def _wo_call(spec, w13: tuple, w2: tuple):
+    def make(x, ids, w):  # the op as a model calls it (a measured choice where there is one); CPU: the reference
+        return functools.partial(torch.ops.qcompile.wo_moe, x, ids, w, *w13, *w2, None, None, "silu", spec.key,
+                                 backend="triton" if mw.use_triton(x) else "reference")
+    return make
+
+
 def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: str, log,
                    rotate: int = 1, tiled: bool = True) -> list[dict]:
     """The weight-only rows of one shape (OURS_WO, WO_PATHS), rows as :func:`bench_shape`'s; floor: the
@@ -317,11 +338,7 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
             rows += [dict(shape=name, tokens=t, row=label, us=why, experts_used=0, floor_us=0.0, pct_floor=None)
                      for t in tokens for label in labels]
             continue
-        w13, w2 = (wo_expert_weights(spec.weight, e, nn, kk, device, 10 * n + j)
-                   for j, (nn, kk) in enumerate(((2 * i, h), (h, i))))
-        if tiled:
-            spec, w13, w2 = as_loaded(spec, w13, w2, h, i)
-        scheme = spec.key
+        spec, w13, w2 = wo_layer(spec, e, h, i, device, 10 * n, tiled)
         expert_bytes = sum(v.numel() * v.element_size() for ws in (w13, w2) for v in ws if v is not None) / e
         paths = {row: None} | forced
         for t in tokens:
@@ -332,10 +349,8 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
                         mma = kw["mma"] if kw["mma"] != "rule" else mw.mma_rule(x, ids.numel(), e) or {"block_m": 16}
                         return functools.partial(mw.wo_moe_triton, x, ids, w, w13, w2, None, None, "silu", spec, False,
                                                  dequant_rows=kw["dequant_rows"], mma=mma)
-                else:  # the op as a model calls it (a measured choice where there is one); CPU: the reference
-                    def make(x, ids, w):
-                        return functools.partial(torch.ops.qcompile.wo_moe, x, ids, w, *w13, *w2, None, None, "silu",
-                                                 scheme, backend="triton" if mw.use_triton(x) else "reference")
+                else:
+                    make = _wo_call(spec, w13, w2)
                 us = _time(cycled(make, routes), t, replays, device)
                 floor = used * expert_bytes / (bw * 1e9) * 1e6
                 rows.append(dict(shape=name, tokens=t, row=label, us=us, experts_used=used, floor_us=round(floor, 1),
@@ -344,6 +359,40 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
         if device == "cuda":
             del w13, w2
             torch.cuda.empty_cache()
+    return rows
+
+
+PDL_ROWS = ("ours FP8 tensor static", "ours FP8 channel x token", "ours int4 g128 weight-only")
+
+
+def pdl_ab(name: str, shape, tokens, replays: int, device: str, log, rotate: int = 1, rounds: int = 3) -> list[dict]:
+    """``--pdl-ab``: :data:`PDL_ROWS` timed with qcompile's Triton kernels launched without PDL and with it
+    (``fp8_quant_triton.without_pdl``; ``wo_mma`` keeps PDL in both), alternately in ``rounds`` rounds; the
+    medians."""
+    from qcompile.kernels.fp8_quant_triton import without_pdl
+
+    e, h, i, k = shape
+    layers = _layers(e, h, i, k, device)
+    makers = {row: _fused_call(layers[row], device) for row in PDL_ROWS[:2]}
+    spec = parse_scheme_key(OURS_WO[PDL_ROWS[2]])
+    why = next((f"fails: {what}: {r}" for what, kk in zip(mw.PROJECTIONS, (h, i))
+                if (r := mw.triton_shape_reason(spec.weight, 0, kk))), None)
+    rows = [dict(shape=name, tokens=t, row=PDL_ROWS[2], off_us=why, on_us=why, ratio=None) for t in tokens] if why \
+        else []
+    if not why:
+        makers[PDL_ROWS[2]] = _wo_call(*wo_layer(spec, e, h, i, device, 0))
+    for t in tokens:
+        routes, _ = routings(t, e, h, k, device, rotate)
+        for row, make in makers.items():
+            times = {False: [], True: []}
+            for _ in range(rounds):
+                with without_pdl():
+                    times[False].append(_time(cycled(make, routes), t, replays, device))
+                times[True].append(_time(cycled(make, routes), t, replays, device))
+            off, on = (statistics.median(times[p]) for p in (False, True))
+            ratio = round(on / off, 3) if isinstance(on, float) and isinstance(off, float) else None
+            rows.append(dict(shape=name, tokens=t, row=row, off_us=off, on_us=on, ratio=ratio))
+            log(f"{name} T={t} {row}: without PDL {off} us, with {on} us")
     return rows
 
 
@@ -393,6 +442,15 @@ def run(args: argparse.Namespace) -> dict:
     tokens = [1, 3] if args.dry_run else args.tokens
     log = (lambda *a, **kw: None) if args.markdown else (lambda msg: print(msg, file=sys.stderr))
     label = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run, not a measurement)"
+    if args.pdl_ab:
+        rows = [r for name in shapes for r in pdl_ab(name, (SHAPES | TINY)[name], tokens, args.replays, device, log,
+                                                      args.rotate)]
+        print(f"{label}\n\n| shape | T | row | without PDL, µs | with PDL, µs | with / without |\n| --- | --- | --- | "
+              "--- | --- | --- |\n" + "\n".join(f"| {r['shape']} | {r['tokens']} | {r['row']} | {r['off_us']} | "
+                                               f"{r['on_us']} | {r['ratio']} |" for r in rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(device=label, rows=rows), indent=1))
+        return dict(device=label, rows=rows)
     tuned = tune_all(shapes, tokens, log) if args.tune and device == "cuda" else {}
     bw = bandwidth_gbps(device)
     rows = []

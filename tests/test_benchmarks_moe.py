@@ -117,3 +117,19 @@ def test_bench_router_linear_dry_run(tmp_path, capsys):
         (8, 64, "bfloat16", 1), (8, 64, "bfloat16", 3), (16, 32, "float32", 1), (16, 32, "float32", 3)]
     assert all(r["torch_us"] > 0 and r["qcompile_us"] > 0 and r["qcompile_runs"] == "F.linear" for r in rows)
     assert "| 16 x 32, float32 | 3 |" in capsys.readouterr().out
+
+
+def test_bench_moe_pdl_ab_dry_run(tmp_path, capsys):
+    """--pdl-ab times its three rows both ways at every T (on the CPU neither launches with PDL: a smoke test)."""
+    bench = _load()
+    out = tmp_path / "pdl.json"
+    assert bench.main(["--dry-run", "--markdown", "--pdl-ab", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["row"], r["tokens"]) for r in rows} == {(row, t) for row in bench.PDL_ROWS for t in (1, 3)}
+    int4 = bench.PDL_ROWS[2]  # the tiny shape's I = 192 is not a multiple of int4's group of 128
+    assert {r["off_us"] for r in rows if r["row"] == int4} == {"fails: down projection w2: K=192 not a multiple of "
+                                                                "the group size 128"}
+    assert all(isinstance(r["off_us"], float) and isinstance(r["on_us"], float) for r in rows if r["row"] != int4)
+    assert "| with PDL, µs |" in capsys.readouterr().out
+    rows = bench.pdl_ab("tiny", (4, 128, 128, 2), [1], 3, "cpu", lambda msg: None, rounds=1)
+    assert [r["row"] for r in rows] == list(bench.PDL_ROWS) and all(isinstance(r["on_us"], float) for r in rows)

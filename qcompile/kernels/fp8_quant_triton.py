@@ -24,6 +24,7 @@ Runs under ``TRITON_INTERPRET=1`` on CPU tensors; without triton, everything fal
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -62,14 +63,28 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and (t.is_cuda or (interpreting() and t.device.type == "cpu"))
 
 
+_PDL = [True]  # cleared inside :func:`without_pdl`
+
+
 def pdl(t: torch.Tensor) -> dict:
     """The launch keywords of a Triton kernel that takes a ``PDL`` constexpr and starts with :func:`_pdl_start`:
     programmatic dependent launch for tensors on a GPU of sm_90+ (as the weight-only kernel decides it:
     ``QCOMPILE_PDL=0`` turns it off), else none."""
     from .wo_policy import pdl_default
 
-    on = t.is_cuda and not interpreting() and pdl_default(torch.cuda.get_device_capability(t.device))
+    on = _PDL[0] and t.is_cuda and not interpreting() and pdl_default(torch.cuda.get_device_capability(t.device))
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@contextlib.contextmanager
+def without_pdl():
+    """Inside, qcompile's Triton kernels launch without PDL (``wo_mma`` keeps its own choice): a benchmark's
+    baseline."""
+    _PDL[0] = False
+    try:
+        yield
+    finally:
+        _PDL[0] = True
 
 
 def _native_fp8(t: torch.Tensor, native: bool | None) -> bool:

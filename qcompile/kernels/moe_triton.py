@@ -27,7 +27,8 @@ Activations (``ACTIVATIONS``): silu / gelu_tanh gated, their non-gated forms, re
 limit)`` (gate rows then up rows, as the loader stores them). Biases b13 [E, N1] and b2 [E, H] are
 optional. Expert ids outside ``[0, E)`` (another rank's experts) contribute nothing.
 
-Kernels (:func:`fused_moe`), per layer call:
+Kernels (:func:`fused_moe`), per layer call, each launched with programmatic dependent launch on sm_90+
+(:func:`fp8_quant_triton.pdl`):
 
 1. ``moe_align`` (:mod:`moe_kernels`): pairs grouped per expert in blocks of ``block_m`` rows; or, in
    ``per_pair`` mode (a launch option), none: each program takes one pair and reads its expert's weights.

@@ -630,3 +630,27 @@ def test_gpu_cuda_graph_and_determinism(name):
         assert torch.equal(captured, mt.fused_moe(**new)), f"T={t}: replay with new inputs differs from eager"
         check_gpu(captured, new, f"graph T={t}")
 
+
+
+def test_pdl_launch_keywords(monkeypatch):
+    """qcompile's Triton kernels launch with PDL on a CUDA tensor of sm_90+ (mocked here), not on sm_80, not with
+    QCOMPILE_PDL=0, not inside without_pdl(), never on the CPU."""
+    from types import SimpleNamespace
+
+    from qcompile.kernels import fp8_quant_triton as fq
+
+    cuda = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    cap = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("QCOMPILE_PDL", raising=False)
+    assert fq.pdl(cuda) == {"PDL": True, "launch_pdl": True}
+    with fq.without_pdl():
+        assert fq.pdl(cuda) == {"PDL": False}
+    assert fq.pdl(cuda)["PDL"]
+    assert fq.pdl(torch.zeros(1)) == {"PDL": False}
+    monkeypatch.setenv("QCOMPILE_PDL", "0")
+    assert fq.pdl(cuda) == {"PDL": False}
+    monkeypatch.delenv("QCOMPILE_PDL")
+    cap[0] = (8, 0)
+    assert fq.pdl(cuda) == {"PDL": False}
