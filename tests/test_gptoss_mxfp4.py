@@ -47,11 +47,12 @@ def _load(path: str, dtype: torch.dtype):
 
 @functools.lru_cache(maxsize=None)
 def _transformers(path: str):
-    """transformers' own model of the checkpoint, its experts dequantized (fp32)."""
+    """transformers' own model of the checkpoint, its experts dequantized (fp32; transformers 5.17 dequantizes
+    them to bf16 on the CPU, which holds every e2m1 code times a power of two exactly)."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 quantization_config=Mxfp4Config(dequantize=True))
+                                                 quantization_config=Mxfp4Config(dequantize=True)).float()
     assert all(type(m).__name__ == "GptOssExperts" and m.gate_up_proj.dtype == torch.float32
                for m in model.modules() if is_experts(m))
     return model

@@ -6,9 +6,9 @@
 
 Only MoE experts are quantized, as transformers' ``replace_with_mxfp4_linear`` does: every experts module that
 no ``modules_to_not_convert`` entry matches; every Linear stays in the model dtype. A pattern matches as
-transformers' ``should_convert_module``: as a regex from the start of the module name up to a module boundary
-(``model.layers.1`` matches ``model.layers.1.mlp.experts``, not ``model.layers.11...``; ``*`` is the regex
-repeat), or as a suffix of the name.
+transformers 5.24's ``should_convert_module``: as a regex from the start of the module name up to a module
+boundary (``model.layers.1`` matches ``model.layers.1.mlp.experts``, not ``model.layers.11...``, which
+transformers 5.17's rule still matched; ``*`` is the regex repeat), or as a suffix of the name.
 
 The experts are stored fused per parameter of the transformers experts module, in its row order (gpt-oss:
 gate and up interleaved along 2I, even rows gate) but not transposed ([E, N, K]), relative to the experts
