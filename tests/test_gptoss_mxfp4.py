@@ -14,18 +14,17 @@ up scales one step off 70 %, the gate / up biases dropped 8 %).
 from __future__ import annotations
 
 import functools
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import qcompile
 from qcompile.errors import CheckpointError
 from qcompile.experts import QuantExperts, is_experts
+from tests.test_moe_errors import broken as copy_edited
 from tests.test_moe_formats import IDS, compile_graph, op_lines, rel_err
 
 NAME = "gptoss-mxfp4-tiny"
@@ -166,17 +165,8 @@ def test_tiled_experts_round_trip(src, tmp_path):
 # -- malformed checkpoints ---------------------------------------------------------------------
 
 def broken(src: Path, tmp_path: Path, edit=None, config=None) -> str:
-    path = tmp_path / NAME
-    shutil.copytree(src, path)
-    if edit:
-        state = load_file(path / "model.safetensors")
-        edit(state)
-        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
-    if config:
-        cfg = json.loads((path / "config.json").read_text())
-        config(cfg)
-        (path / "config.json").write_text(json.dumps(cfg))
-    return str(path)
+    """A copy of the checkpoint with its tensors edited by ``edit(state)`` and config.json by ``config``."""
+    return copy_edited(src.parent, tmp_path, NAME, edit, config)
 
 
 def _set(key, value):
