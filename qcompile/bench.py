@@ -17,7 +17,6 @@ The CLI ``qcompile bench`` calls :func:`run` with the namespace of :func:`add_ar
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import sys
@@ -320,16 +319,14 @@ def device_label(device: torch.device | str) -> str:
 
 
 def greedy_decode(model, step, ids: torch.Tensor, new_tokens: int, warmup: int = 2):
-    """Greedy decoding of batch 1 with a transformers StaticCache: the prompt ``ids`` runs through
-    ``model`` (eager), every further token through ``step`` (the model's forward, compiled). Returns
-    the ``new_tokens`` tokens ([1, new_tokens]) and the decode rate in tokens/s over the steps after
-    the first ``warmup`` (which compile and capture), or None when no step is left to time."""
-    from transformers import StaticCache
+    """Greedy decoding of batch 1 with a transformers StaticCache (:func:`kv_cache.static_cache`): the prompt
+    ``ids`` runs through ``model`` (eager), every further token through ``step`` (the model's forward,
+    compiled). Returns the ``new_tokens`` tokens ([1, new_tokens]) and the decode rate in tokens/s over the
+    steps after the first ``warmup`` (which compile and capture), or None when no step is left to time."""
+    from .kv_cache import cache_kwargs, static_cache
 
     n_prompt, dev = ids.shape[1], ids.device
-    # the argument is `cache` from transformers 5.24 on (`past_key_values` is deprecated there)
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    cache = {key: StaticCache(config=model.config, max_cache_len=n_prompt + new_tokens)}
+    cache = cache_kwargs(model, static_cache(model, n_prompt + new_tokens))  # compiles once, sliding windows too
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = None
     with torch.no_grad():

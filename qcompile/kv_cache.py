@@ -15,7 +15,10 @@ name cannot be registered cleanly)::
     cache = FP8Cache(model)                                     # scales measured at the first prefill
 
 ``cache_kwargs`` names the argument as the installed transformers does (``cache=`` from 5.24,
-``past_key_values=`` before). ``FP8Cache(model)`` grows like ``DynamicCache`` (for ``generate``);
+``past_key_values=`` before). ``static_cache(model, n)`` is transformers' bf16 ``StaticCache`` with any
+sliding-window layer held full length (the model's masks still slide): an own decode loop of a compiled step
+compiles once, where transformers' sliding layer, which counts its length in a Python int, recompiles at
+every token. ``FP8Cache(model)`` grows like ``DynamicCache`` (for ``generate``);
 ``FP8Cache(model, max_cache_len=n)`` preallocates like ``StaticCache`` and is compileable: its
 buffers, position and scales keep their addresses, so a compiled decode step captures into a CUDA
 graph (``generate`` compiles it on its own on a GPU, as for ``StaticCache``).
@@ -240,6 +243,24 @@ def _check_full_attention(config) -> None:
                                "use transformers' own cache for this model")
 
 
+def static_cache(model: nn.Module, max_cache_len: int) -> Cache:
+    """transformers' ``StaticCache`` for ``model`` with its sliding-window layers made full-length
+    ``StaticLayer``s (other layer kinds as transformers makes them): the model's sliding-window masks still hide the keys outside each window,
+    so attention computes the same (tests/test_kv_cache.py), and a compiled decode step compiles once.
+    transformers' own sliding layer counts its length in a Python int, which a compiled step guards on and
+    recompiles for at every token. The sliding layers hold ``max_cache_len`` positions instead of the window."""
+    import copy
+
+    from transformers import StaticCache
+
+    config = copy.deepcopy(model.config.get_text_config(decoder=True))
+    sliding = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    types = getattr(config, "layer_types", None) or [sliding] * config.num_hidden_layers
+    config.layer_types = ["full_attention" if t == "sliding_attention" else t for t in types]  # (chunked kept)
+    config.sliding_window = None
+    return StaticCache(config=config, max_cache_len=max_cache_len)
+
+
 def cache_kwargs(model: nn.Module, cache: Cache) -> dict:
     """``{"cache": cache}`` where ``model.forward`` takes ``cache`` (transformers >= 5.24), else
     ``{"past_key_values": cache}``: for ``model(...)`` and ``model.generate(...)`` alike."""
@@ -252,4 +273,4 @@ def cache_nbytes(cache: Cache) -> int:
 
 
 __all__ = ["FP8Cache", "FP8DynamicLayer", "FP8StaticLayer", "cache_kwargs", "cache_nbytes", "model_kv_scales",
-           "quantize_kv", "dequantize_kv", "dynamic_scale"]
+           "static_cache", "quantize_kv", "dequantize_kv", "dynamic_scale"]

@@ -416,3 +416,67 @@ def test_fp8_cache_on_the_trained_model_keeps_perplexity():
     got = second_chunk_logits(lambda: FP8Cache(model, scales="dynamic"))
     assert ((got - want).norm() / want.norm()).item() < 0.02
     assert abs(perplexity(got) / perplexity(want) - 1) < 0.005
+
+
+# -- static_cache: sliding-window layers held full length ---------------------------------------------------
+
+GPTOSS = "gptoss-mxfp4-tiny"  # layers: sliding (window 8), full
+
+
+def _greedy_logits(model, cache, ids, steps, step=None):
+    """Eager prompt, then ``steps`` one-token steps of ``step`` (default the model), greedy: the last logits of
+    each call, stacked."""
+    kw, step, out = cache_kwargs(model, cache), step or model, []
+    with torch.no_grad():
+        logits = model(input_ids=ids, cache_position=torch.arange(ids.shape[1]), use_cache=True, **kw).logits[:, -1]
+        for i in range(steps + 1):
+            out.append(logits)
+            if i == steps:
+                break
+            pos = torch.tensor([ids.shape[1] + i])
+            logits = step(input_ids=logits.argmax(-1, keepdim=True), cache_position=pos, use_cache=True,
+                          **kw).logits[:, -1]
+    return torch.cat(out)
+
+
+def test_static_cache_holds_sliding_layers_full_length(testdata):
+    """gpt-oss's sliding layer becomes a full-length StaticLayer; 24 decode steps, three times past its window of
+    8, give transformers' own StaticCache's logits (fp32, 1e-5 relative: the same keys attended, the masked ones
+    adding zero); the full layer stays as it was."""
+    from transformers.cache_utils import StaticLayer
+
+    from qcompile.kv_cache import static_cache
+
+    if not (testdata / GPTOSS).is_dir():
+        pytest.skip(f"{GPTOSS} is not among the test checkpoints")
+    model = qcompile.load(str(testdata / GPTOSS), dtype=torch.float32)
+    assert model.config.layer_types == ["sliding_attention", "full_attention"] and model.config.sliding_window == 8
+    ids = torch.tensor([[1, 17, 42, 99, 7]])
+    cache = static_cache(model, ids.shape[1] + 24)
+    assert [type(layer) for layer in cache.layers] == [StaticLayer, StaticLayer]
+    assert [type(layer).__name__ for layer in StaticCache(config=model.config, max_cache_len=29).layers] == \
+        ["StaticSlidingWindowLayer", "StaticLayer"]
+    got = _greedy_logits(model, cache, ids, 24)
+    want = _greedy_logits(model, StaticCache(config=model.config, max_cache_len=29), ids, 24)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_compiled_decode_with_sliding_layers_compiles_once(testdata):
+    """bench.greedy_decode (the CLI's loop) on gpt-oss: the compiled step compiles one graph for all 20 steps
+    (transformers' sliding layer, whose length is a Python int, recompiled at every token) and decodes the
+    eager loop's tokens."""
+    from torch._dynamo.utils import counters
+
+    from qcompile import bench
+
+    if not (testdata / GPTOSS).is_dir():
+        pytest.skip(f"{GPTOSS} is not among the test checkpoints")
+    model = qcompile.load(str(testdata / GPTOSS), dtype=torch.float32)
+    ids = torch.tensor([[1, 17, 42, 99, 7]])
+    want, _ = bench.greedy_decode(model, model.forward, ids, 20)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(model.forward, backend=qcompile.backend(inner="aot_eager"), dynamic=False)
+    got, _ = bench.greedy_decode(model, step, ids, 20)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert torch.equal(got, want)
