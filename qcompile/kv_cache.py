@@ -45,8 +45,10 @@ its codes in uint8 buffers (``keys`` / ``values`` are their fp8 views) and write
 ``index_copy_`` on them (there is no float8 ``index_copy_`` on either device); under inductor that write
 is done in place, as a bf16 cache's is (``benchmarks/kv_cache.py`` compares the two caches' speed).
 
-Supported: decoder models whose layers are all full attention (no sliding-window or chunked
-layers), one scale per layer or per KV head.
+Supported: decoder models of full-attention and sliding-window layers (no chunked attention), one scale
+per layer or per KV head. A sliding-window layer is held full length, as :func:`static_cache` holds it: the
+model's sliding masks hide the keys outside the window, so attention computes what transformers' sliding
+layer gives, with the cache of a full layer.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ SCALES = ("checkpoint", "dynamic")
 # a token's key / value: fp8(clamp(x / scale, ±448)), divided in fp32 (scale broadcasts over [B, H, S, D]); read
 # back as dtype(q · scale), the read qcompile::decode_attention reproduces in registers
 quantize_kv, dequantize_kv = quantize_fp8, dequantize_fp8
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")  # what FP8Cache holds (sliding ones full length)
 
 
 def dynamic_scale(x: torch.Tensor) -> torch.Tensor:
@@ -196,7 +201,7 @@ class FP8Cache(Cache):
     def __init__(self, model: nn.Module, max_cache_len: int | None = None, scales: str | None = None,
                  offloading: bool = False):
         config = model.config.get_text_config(decoder=True)
-        _check_full_attention(config)
+        _check_layer_types(config)
         per_layer = _layer_scales(model, config.num_hidden_layers, scales)
         if max_cache_len is None:
             layers = [FP8DynamicLayer(k, v) for k, v in per_layer]
@@ -232,15 +237,16 @@ def _layer_scales(model: nn.Module, n_layers: int, scales: str | None) -> list[t
     return [found[i] for i in range(n_layers)]
 
 
-def _check_full_attention(config) -> None:
+def _check_layer_types(config) -> None:
+    """Full-attention and sliding-window layers (held full length: the model's sliding masks hide the keys outside
+    the window); chunked or other attention refused."""
     types = getattr(config, "layer_types", None)
-    other = sorted({t for t in types if t != "full_attention"}) if types is not None else [
-        f"{key}={getattr(config, key)}" for key in ("sliding_window", "attention_chunk_size")
-        if getattr(config, key, None) is not None]
+    other = sorted({t for t in types if t not in LAYER_TYPES}) if types is not None else [
+        f"attention_chunk_size={config.attention_chunk_size}"] if getattr(config, "attention_chunk_size", None) else []
     if other:
         raise UnsupportedError(f"the model has attention layers the FP8 cache does not hold ({', '.join(other)})",
-                               where=f"{type(config).__name__}", fix="FP8Cache supports full-attention layers only; "
-                               "use transformers' own cache for this model")
+                               where=f"{type(config).__name__}", fix="FP8Cache holds full-attention and "
+                               "sliding-window layers; use transformers' own cache for this model")
 
 
 def static_cache(model: nn.Module, max_cache_len: int) -> Cache:

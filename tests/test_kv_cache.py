@@ -34,6 +34,7 @@ from qcompile.kv_cache import (FP8Cache, cache_kwargs, cache_nbytes, dequantize_
 FP8_TOL = 0.08  # mean relative L2 error of the logits, FP8 cache vs bf16 cache (module docstring)
 KV_FORMATS = [("modelopt-fp8", "fp8"), ("ct-fp8-dynamic", "fp8"), ("ct-nvfp4", "fp8-head"), ("modelopt-nvfp4", "fp8")]
 ATTN = "model.layers.1.self_attn"
+GPTOSS = "gptoss-mxfp4-tiny"  # layers: sliding (window 8), full
 
 
 @pytest.fixture(scope="module")
@@ -332,11 +333,33 @@ def test_online_checkpoints_ask_for_dynamic_scales(tmp_path):
         FP8Cache(asked, scales="per_token")
 
 
-def test_sliding_window_models_are_refused():
-    model = AutoModelForCausalLM.from_config(synth.tiny_llama_config(num_hidden_layers=1))
-    model.config.layer_types = ["sliding_attention"]
-    with pytest.raises(qcompile.UnsupportedError, match="sliding_attention"):
+def test_chunked_attention_models_are_refused():
+    model = AutoModelForCausalLM.from_config(synth.tiny_llama_config(num_hidden_layers=2))
+    model.config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(qcompile.UnsupportedError, match="chunked_attention"):
         FP8Cache(model, scales="dynamic")
+    model.config.layer_types = None
+    model.config.attention_chunk_size = 16
+    with pytest.raises(qcompile.UnsupportedError, match="attention_chunk_size=16"):
+        FP8Cache(model, scales="dynamic")
+
+
+def test_fp8_cache_of_a_sliding_window_model(testdata):
+    """gpt-oss (a sliding layer of window 8, a full one), 28 tokens: the FP8 cache, growing or static, holds its
+    sliding layer full length and stays within FP8 tolerance of transformers' own bf16 cache (whose sliding layer
+    keeps the window only: a cache that attended past the window would not); growing and static agree."""
+    if not (testdata / GPTOSS).is_dir():
+        pytest.skip(f"{GPTOSS} is not among the test checkpoints")
+    model = qcompile.load(str(testdata / GPTOSS)).eval()
+    ids = torch.randint(3, 320, (2, 28), generator=torch.Generator().manual_seed(1))
+    ref = forced_logits(model, DynamicCache(config=model.config), ids, 20)
+    got = {}
+    for max_cache_len in (None, 32):
+        cache = FP8Cache(model, max_cache_len=max_cache_len, scales="dynamic")
+        got[max_cache_len] = forced_logits(model, cache, ids, 20)
+        assert rel_err(got[max_cache_len], ref) < FP8_TOL
+        assert cache.layers[0].keys.dtype == torch.float8_e4m3fn and cache.layers[0].get_seq_length() == 28
+    assert rel_err(got[32], got[None]) < 1e-5
 
 
 # -- torch.compile -------------------------------------------------------------------------------
@@ -419,9 +442,6 @@ def test_fp8_cache_on_the_trained_model_keeps_perplexity():
 
 
 # -- static_cache: sliding-window layers held full length ---------------------------------------------------
-
-GPTOSS = "gptoss-mxfp4-tiny"  # layers: sliding (window 8), full
-
 
 def _greedy_logits(model, cache, ids, steps, step=None):
     """Eager prompt, then ``steps`` one-token steps of ``step`` (default the model), greedy: the last logits of
