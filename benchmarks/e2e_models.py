@@ -122,12 +122,10 @@ class Decoder:
     more steps."""
 
     def __init__(self, model, compile_fn, device: str, batch: int, prompt_len: int, max_steps: int):
-        from transformers import StaticCache
-
-        from qcompile.kv_cache import cache_kwargs
+        from qcompile.kv_cache import cache_kwargs, static_cache
 
         self.model, self.device = model, device
-        self.cache = StaticCache(config=model.config, max_cache_len=prompt_len + max_steps + 8)
+        self.cache = static_cache(model, prompt_len + max_steps + 8)
         self.cache_kw = cache_kwargs(model, self.cache)  # `cache=` from transformers 5.24, `past_key_values=` before
         ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=device)
         with torch.no_grad():
@@ -180,11 +178,9 @@ def profile_kernels(dec: Decoder, tokens: int, top: int) -> list:
 
 def prefill_ms(model, compile_fn, device: str, length: int, reps: int) -> float:
     """Median ms of a compiled batch-1 prefill of ``length`` tokens into a StaticCache (last logits only)."""
-    from transformers import StaticCache
+    from qcompile.kv_cache import cache_kwargs, static_cache
 
-    from qcompile.kv_cache import cache_kwargs
-
-    cache = StaticCache(config=model.config, max_cache_len=length)
+    cache = static_cache(model, length)
     kw = cache_kwargs(model, cache)
     ids = torch.randint(3, model.config.vocab_size, (1, length), device=device)
     pos = torch.arange(length, device=device)
