@@ -500,3 +500,27 @@ def test_compiled_decode_with_sliding_layers_compiles_once(testdata):
     got, _ = bench.greedy_decode(model, step, ids, 20)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "mistral", "gpt_oss"])
+def test_sliding_window_architectures_decode_compiled_once(arch):
+    """Tiny random models of sliding-window architectures (window 4; Mistral without layer types): with
+    static_cache the compiled step (aot_eager) compiles one graph for 14 steps and gives the logits of eager
+    decoding with transformers' own StaticCache (fp32, 1e-5 relative)."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoConfig
+
+    from qcompile.kv_cache import static_cache
+    from tests.test_architectures import ARCHS, SMALL
+
+    config = AutoConfig.for_model(arch, **{**SMALL, **ARCHS[arch], "sliding_window": 4})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.tensor([[1, 17, 42, 99, 7]])
+    want = _greedy_logits(model, StaticCache(config=config, max_cache_len=19), ids, 14)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(model.forward, backend=qcompile.backend(inner="aot_eager"), dynamic=False)
+    got = _greedy_logits(model, static_cache(model, 19), ids, 14, step)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
