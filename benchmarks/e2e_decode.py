@@ -1,5 +1,5 @@
-"""End-to-end decode and prefill: a random Llama-3.1-8B-shaped model (``--arch llama``) or a Qwen3-MoE-shaped one
-(``--arch qwen3_moe``) in bf16 under plain ``torch.compile(mode="reduce-overhead")`` vs the same weights in
+"""End-to-end decode and prefill: a random Llama-3.1-8B-shaped model (``--arch llama``), a Qwen3-MoE-shaped one
+(``--arch qwen3_moe``) or a gpt-oss-20B-shaped one (``--arch gpt_oss``) in bf16 under plain ``torch.compile(mode="reduce-overhead")`` vs the same weights in
 quantized checkpoints run by qcompile with CUDA graphs.
 
     python benchmarks/e2e_decode.py --quick                           # 4 layers: a first check (GPU)
@@ -13,7 +13,7 @@ The bf16 weights are made on the device (seeded); each quantized checkpoint is q
 safetensors shards and loaded by ``qcompile.load``, so the loader is what runs. Models are measured one after
 another, each freed before the next loads; with ``--interleave`` all are built and their decode steps captured
 first, then the decode rounds alternate between them (order rotated each round). Per model: weight memory;
-decode tokens/s of an own greedy loop (StaticCache, one compiled step per token with its argmax, CUDA graphs, no
+decode tokens/s of an own greedy loop (``kv_cache.static_cache``, one compiled step per token with its argmax, CUDA graphs, no
 host synchronization between steps) at each ``--batch``, the median of ``--reps`` rounds and their spread, against
 the weight-read floor (bytes one step reads / the device-to-device copy bandwidth measured in the same run); the
 prefill of ``--prefill`` tokens at batch 1 (compiled without CUDA graphs); logits errors on a 32-token probe
@@ -46,6 +46,8 @@ from qcompile.errors import QCompileError, UnsupportedError
 
 DENSE_FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "ct-w4a16", "ct-nvfp4")
 MOE_FORMATS = ("bf16", "online-fp8", "modelopt-fp8", "ct-w4a16", "ct-nvfp4")
+GPT_OSS_FORMATS = ("bf16", "online-fp8", "gptoss-mxfp4")  # gptoss-mxfp4: OpenAI's own layout (fused MXFP4 experts)
+DEFAULT_FORMATS = {"llama": DENSE_FORMATS, "qwen3_moe": MOE_FORMATS, "gpt_oss": GPT_OSS_FORMATS}
 # formats loaded from the bf16 checkpoint, with this online scheme (bf16-qcompile: none, the bf16 weights compiled
 # by qcompile, whose passes then change the attention only)
 ONLINE = {"online-fp8": "fp8_per_tensor", "online-fp8-block": "fp8_per_block", "bf16-qcompile": None}
@@ -64,16 +66,17 @@ def parse_args(argv=None):
     from qcompile import synth
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", choices=("llama", "qwen3_moe"), default="llama")
+    p.add_argument("--arch", choices=tuple(DEFAULT_FORMATS), default="llama")
     p.add_argument("--formats", nargs="+", default=None,
                    help=f"models to run, space- or comma-separated (default llama: {' '.join(DENSE_FORMATS)}; "
-                        f"qwen3_moe: {' '.join(MOE_FORMATS)}); any of bf16, {', '.join(ONLINE)}, "
-                        "and qcompile.synth's quantized formats; FORMAT@KERNEL runs FORMAT with that kernel override "
+                        f"qwen3_moe: {' '.join(MOE_FORMATS)}; gpt_oss: {' '.join(GPT_OSS_FORMATS)}); any of bf16, "
+                        f"{', '.join(ONLINE)}, and qcompile.synth's quantized formats (gpt_oss: gptoss-mxfp4); FORMAT@KERNEL runs FORMAT with that kernel override "
                         "(e.g. modelopt-fp8@fp8_scaled_mm); FORMAT[@KERNEL]~KEY=VALUE[+KEY=VALUE] with qcompile "
                         "backend options, a dotted KEY an inductor config entry (e.g. ct-w4a16~small_topk=0, "
                         "ct-w4a16~triton.enable_pdl=0+fuse=0): one run can interleave the same checkpoint both "
                         "ways (HF generate too)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 32 llama, 4 qwen3_moe)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: 32 llama, 4 qwen3_moe and gpt_oss)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
     p.add_argument("--tokens", type=int, default=64, help="decode steps per timed round")
     p.add_argument("--reps", type=int, default=5, help="timed rounds per measurement (median)")
@@ -100,9 +103,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.tokens, args.reps, args.prefill = args.layers or 4, 32, 3, min(args.prefill, 512)
-    formats = [f for item in (args.formats or (MOE_FORMATS if args.arch == "qwen3_moe" else DENSE_FORMATS))
-               for f in item.split(",") if f]
-    known = ("bf16", *ONLINE, *synth.QUANTIZED_FORMATS)
+    formats = [f for item in (args.formats or DEFAULT_FORMATS[args.arch]) for f in item.split(",") if f]
+    known = ("bf16", *ONLINE, *synth.QUANTIZED_FORMATS, synth.GPTOSS_MXFP4)
     for f in formats:
         try:
             base, kernel, options = split_format(f)

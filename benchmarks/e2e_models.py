@@ -20,20 +20,32 @@ QWEN3_MOE = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size
                  num_experts_per_tok=8, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
                  head_dim=128, vocab_size=151936, tie_word_embeddings=False, norm_topk_prob=True,
                  max_position_embeddings=8192, rms_norm_eps=1e-6, initializer_range=0.02)
+# gpt-oss-20B's shapes (MXFP4 experts in OpenAI's checkpoint: ``--formats gptoss-mxfp4``), 4 layers by default:
+# sliding-window (128) and full attention layers alternate, as in its config.
+GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                   num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                   sliding_window=128, tie_word_embeddings=False, rms_norm_eps=1e-5, initializer_range=0.02)
+TINY_GPT_OSS = dict(GPT_OSS_20B, hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=384,
+                    sliding_window=8)
 TINY_MOE = dict(QWEN3_MOE, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
                 num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                 vocab_size=384)
 
 
 def model_config(arch: str, tiny: bool, layers: int | None):
-    from transformers import LlamaConfig, Qwen3MoeConfig
+    from transformers import GptOssConfig, LlamaConfig, Qwen3MoeConfig
 
     from qcompile import synth
 
     if arch == "llama":
         config = synth.tiny_llama_config(tie_word_embeddings=False) if tiny else LlamaConfig(**LLAMA_8B)
+    elif arch == "gpt_oss":
+        config = GptOssConfig(**(TINY_GPT_OSS if tiny else GPT_OSS_20B))
     else:
         config = Qwen3MoeConfig(**(TINY_MOE if tiny else QWEN3_MOE))
+    if layers and getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i % len(config.layer_types)] for i in range(layers)]
     if layers:
         config.num_hidden_layers = layers
     config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 0

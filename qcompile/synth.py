@@ -41,6 +41,9 @@ FORMATS = ("bf16", "modelopt-fp8", "modelopt-fp8-pcpt", "modelopt-fp8-pbwo", "ct
 QUANTIZED_FORMATS = FORMATS[1:]
 # What the writer writes of a MoE model: no format that calibrates a static input scale per expert.
 MOE_FORMATS = ("bf16", "modelopt-fp8", "ct-fp8-dynamic") + synth_4bit.FORMATS
+# gpt-oss's own checkpoint format (``quant_method: "mxfp4"``), written of a gpt-oss model only
+GPTOSS_MXFP4 = "gptoss-mxfp4"
+GPTOSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KV_CACHE_OPTIONS = {"modelopt": (None, "fp8"), "ct": (None, "fp8", "fp8-head")}  # by the format's producer
@@ -223,6 +226,9 @@ def write_model(path: str, model, fmt: str, kv_cache: str | None = None, max_sha
     written in bf16, ModelOpt FP8, compressed-tensors FP8_DYNAMIC and the 4-bit formats (each expert's gate
     and up share one NVFP4 global scale), experts and routers named as ``fmt``'s producer names them
     (:data:`MOE_DISK_NAMES`)."""
+    if fmt == GPTOSS_MXFP4:
+        _save(path, model, *gptoss_mxfp4_state(model), max_shard_bytes)
+        return path
     if fmt not in FORMATS:
         raise ValueError(f"unknown synthetic format {fmt!r}; choose from {FORMATS}")
     moe = any(fused_experts(m) for m in model.modules())
@@ -247,6 +253,27 @@ def write_model(path: str, model, fmt: str, kv_cache: str | None = None, max_sha
         qcfg = _renamed(qcfg, rename)
     _save(path, model, state, qcfg, max_shard_bytes)
     return path
+
+
+def gptoss_mxfp4_state(model) -> tuple[dict, dict]:
+    """(tensors, quantization config) of a gpt-oss ``model`` as OpenAI publishes gpt-oss (``quant_method:
+    "mxfp4"``): each experts parameter ``gate_up_proj`` [E, H, 2I] / ``down_proj`` [E, I, H] as
+    ``<name>_blocks`` uint8 [E, N, K/32, 16] (its rows [N, K], MXFP4 as Quark and compressed-tensors round it:
+    :func:`synth_4bit.mxfp4`) and ``<name>_scales`` uint8 e8m0 [E, N, K/32]; everything else, the experts'
+    biases included, as it is (attention, routers, embeddings and ``lm_head`` listed in
+    ``modules_to_not_convert``)."""
+    if model.config.model_type != "gpt_oss":
+        raise ValueError(f"{GPTOSS_MXFP4!r} writes gpt-oss models, not {model.config.model_type!r}")
+    state = {}
+    for key, t in model.state_dict().items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, k, n = t.shape
+            packed, scale = synth_4bit.mxfp4(t.transpose(1, 2).reshape(e * n, k), signed_zero=False)
+            state[f"{key}_blocks"] = packed.view(e, n, k // 32, 16)
+            state[f"{key}_scales"] = scale.view(e, n, k // 32)
+        else:
+            state[key] = t.contiguous()
+    return state, {"config": {"quant_method": "mxfp4", "modules_to_not_convert": list(GPTOSS_NOT_CONVERTED)}}
 
 
 def _save(path: str, model, state: dict, qcfg: dict | None, max_shard_bytes: int | None) -> None:

@@ -23,7 +23,8 @@ SMOKE = ["--tiny", "--device", "cpu", "--inner", "eager", "--tokens", "2", "--re
 # once, for time)
 CASES = {"llama": ["--formats", "bf16,bf16-qcompile,ct-w4a16", "--batch", "1", "2", "--prefill", "16"],
          "qwen3_moe": ["--formats", "online-fp8", "modelopt-fp8", "ct-w4a16", "--batch", "1", "--prefill", "0",
-                       "--hf-generate"]}
+                       "--hf-generate"],
+         "gpt_oss": ["--formats", "bf16", "gptoss-mxfp4", "--batch", "1", "--prefill", "16"]}
 
 
 @pytest.mark.parametrize("arch", CASES)
@@ -50,6 +51,9 @@ def test_e2e_decode_smoke(tmp_path, capsys, arch):
         for fmt in ("modelopt-fp8", "ct-w4a16"):
             assert set(results[f"{fmt} qcompile"]["kernels"]["experts_layers"].values()) == {"reference"}, fmt
         assert list(results["online-fp8 qcompile"]["kernels"]["experts_layers"]) == ["model.layers.0.mlp.experts"]
+    if arch == "gpt_oss":  # OpenAI's fused MXFP4 experts, loaded quantized
+        assert results["gptoss-mxfp4 qcompile"]["kernels"]["experts_layers"] == {
+            "model.layers.0.mlp.experts": "reference"}
     assert "| model | weight MiB |" in capsys.readouterr().out
 
 

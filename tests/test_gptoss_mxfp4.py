@@ -252,3 +252,31 @@ def test_gpu_compiled_model_runs_wo_moe(src):
     experts = [r for r in be.rows if r.op == "qcompile::wo_moe"]
     assert len(experts) == 2 and {r.kernel for r in experts} == {"wo_moe"}, be.explain()
     assert rel_err(got, want) < 2e-2
+
+
+def test_synth_writes_openais_layout(tmp_path):
+    """qcompile.synth's gptoss-mxfp4 writer (the end-to-end benchmark's gpt-oss checkpoints): transformers'
+    own decoder reads its experts back within MXFP4's rounding of the bf16 weights (at most one unit of each
+    group's power-of-two scale: half the widest e2m1 step, 4 to 6), biases unchanged, and qcompile loads it as
+    the test checkpoint above."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from qcompile import synth
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GptOssConfig(
+        hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=320, sliding_window=8),
+        dtype=torch.bfloat16)
+    path = synth.write_model(str(tmp_path / "w"), model, synth.GPTOSS_MXFP4)
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        for p in ("gate_up_proj", "down_proj"):
+            key = f"{E0}.{p}"
+            scales = f.get_tensor(f"{key}_scales")
+            got = convert_moe_packed_tensors(f.get_tensor(f"{key}_blocks"), scales, dtype=torch.float32)
+            want = getattr(model.model.layers[0].mlp.experts, p).float()
+            unit = torch.exp2(scales.float() - 127).repeat_interleave(32, -1).transpose(1, 2)  # [E, K, N] as want
+            assert ((got - want).abs() <= unit).all(), p
+            assert torch.equal(f.get_tensor(f"{key}_bias"), getattr(model.model.layers[0].mlp.experts, f"{p}_bias"))
+    assert list(experts_of(qcompile.load(path))) == [E0, "model.layers.1.mlp.experts"]
