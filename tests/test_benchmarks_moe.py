@@ -28,7 +28,8 @@ def test_bench_moe_dry_run(tmp_path, capsys):
     for r in rows:
         assert r["floor_us"] > 0 and 1 <= r["experts_used"] <= 8
         if r["row"] in bench.OURS or r["row"] == bench.PEERS[0]:
-            assert isinstance(r["us"], float) and r["pct_floor"] > 0, r
+            # (a busy CPU can take the dry run's percentage below its rounding: 0.0)
+            assert isinstance(r["us"], float) and r["us"] > 0 and r["pct_floor"] >= 0, r
     table = capsys.readouterr().out
     assert "| ours FP8 128-block |" in table and "dry run" in table
 
