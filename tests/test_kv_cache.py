@@ -524,3 +524,21 @@ def test_sliding_window_architectures_decode_compiled_once(arch):
     got = _greedy_logits(model, static_cache(model, 19), ids, 14, step)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_static_fp8_cache_of_a_sliding_window_model_compiles_once(testdata):
+    """gpt-oss's static FP8 cache (its sliding layer full length) under qcompile (aot_eager): one graph for 20
+    decode steps past the window of 8, the eager steps' logits exactly."""
+    from torch._dynamo.utils import counters
+
+    if not (testdata / GPTOSS).is_dir():
+        pytest.skip(f"{GPTOSS} is not among the test checkpoints")
+    model = qcompile.load(str(testdata / GPTOSS)).eval()
+    ids = torch.tensor([[1, 17, 42, 99, 7]])
+    want = _greedy_logits(model, FP8Cache(model, max_cache_len=25, scales="dynamic"), ids, 20)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(model.forward, backend=qcompile.backend(inner="aot_eager"), dynamic=False)
+    got = _greedy_logits(model, FP8Cache(model, max_cache_len=25, scales="dynamic"), ids, 20, step)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert torch.equal(got, want)
