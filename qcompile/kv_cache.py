@@ -251,10 +251,11 @@ def _check_layer_types(config) -> None:
 
 def static_cache(model: nn.Module, max_cache_len: int) -> Cache:
     """transformers' ``StaticCache`` for ``model`` with its sliding-window layers made full-length
-    ``StaticLayer``s (other layer kinds as transformers makes them): the model's sliding-window masks still hide the keys outside each window,
-    so attention computes the same (tests/test_kv_cache.py), and a compiled decode step compiles once.
-    transformers' own sliding layer counts its length in a Python int, which a compiled step guards on and
-    recompiles for at every token. The sliding layers hold ``max_cache_len`` positions instead of the window."""
+    ``StaticLayer``s (other layer kinds as transformers makes them): the model's sliding-window masks still
+    hide the keys outside each window, so attention computes the same (tests/test_kv_cache.py), and a
+    compiled decode step compiles once. transformers' own sliding layer counts its length in a Python int,
+    which a compiled step guards on and recompiles for at every token. The sliding layers hold
+    ``max_cache_len`` positions instead of the window."""
     import copy
 
     from transformers import StaticCache

@@ -225,7 +225,8 @@ def write_model(path: str, model, fmt: str, kv_cache: str | None = None, max_sha
     index, as ``save_pretrained`` does; else one ``model.safetensors``. MoE models (fused experts) are
     written in bf16, ModelOpt FP8, compressed-tensors FP8_DYNAMIC and the 4-bit formats (each expert's gate
     and up share one NVFP4 global scale), experts and routers named as ``fmt``'s producer names them
-    (:data:`MOE_DISK_NAMES`)."""
+    (:data:`MOE_DISK_NAMES`). :data:`GPTOSS_MXFP4` writes a gpt-oss model as OpenAI's checkpoints hold it
+    (:func:`gptoss_mxfp4_state`; no calibration)."""
     if fmt == GPTOSS_MXFP4:
         _save(path, model, *gptoss_mxfp4_state(model), max_shard_bytes)
         return path
