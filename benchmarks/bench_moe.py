@@ -445,9 +445,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.pdl_ab:
         rows = [r for name in shapes for r in pdl_ab(name, (SHAPES | TINY)[name], tokens, args.replays, device, log,
                                                       args.rotate)]
-        print(f"{label}\n\n| shape | T | row | without PDL, µs | with PDL, µs | with / without |\n| --- | --- | --- | "
-              "--- | --- | --- |\n" + "\n".join(f"| {r['shape']} | {r['tokens']} | {r['row']} | {r['off_us']} | "
-                                               f"{r['on_us']} | {r['ratio']} |" for r in rows))
+        head = "| shape | T | row | without PDL, µs | with PDL, µs | with / without |\n" + "| --- " * 6 + "|\n"
+        print(f"{label}\n\n{head}" + "\n".join(f"| {r['shape']} | {r['tokens']} | {r['row']} | {r['off_us']} | "
+                                                f"{r['on_us']} | {r['ratio']} |" for r in rows))
         if args.json:
             Path(args.json).write_text(json.dumps(dict(device=label, rows=rows), indent=1))
         return dict(device=label, rows=rows)
