@@ -13,11 +13,11 @@ The bf16 weights are made on the device (seeded); each quantized checkpoint is q
 ``qcompile.synth.write_model`` (the producers' on-disk bytes), written to a temporary directory as
 safetensors shards and loaded by ``qcompile.load``, so the loader is what runs. Models are measured one after
 another, each freed before the next loads; with ``--interleave`` all are built and their decode steps captured
-first, then the decode rounds alternate between them (order rotated each round). Per model: weight memory;
-decode tokens/s of an own greedy loop (``kv_cache.static_cache``, one compiled step per token with its argmax,
-CUDA graphs, no host synchronization between steps) at each ``--batch``, the median of ``--reps`` rounds and their
-spread, against the weight-read floor (bytes one step reads / the device-to-device copy bandwidth measured in the same run); the
-prefill of ``--prefill`` tokens at batch 1 (compiled without CUDA graphs); logits errors on a 32-token probe
+first, then the decode rounds alternate between them (order rotated each round). Per model: weight memory; decode
+tokens/s of an own greedy loop (``kv_cache.static_cache``, one compiled step per token with its argmax, CUDA graphs,
+no host synchronization between steps) at each ``--batch``, the median of ``--reps`` rounds and their spread,
+against the weight-read floor (bytes one step reads / the device-to-device copy bandwidth measured in the same run);
+the prefill of ``--prefill`` tokens at batch 1 (compiled without CUDA graphs); logits errors on a 32-token probe
 (compiled vs eager, and vs the dequantized bf16 model); with ``--hf-generate``, ``model.generate`` with a static
 cache and a CompileConfig (qcompile backend, its CUDA graphs), decode tokens/s next to the own loop's.
 """
@@ -73,8 +73,8 @@ def parse_args(argv=None):
                         f"qwen3_moe: {' '.join(MOE_FORMATS)}; gpt_oss: {' '.join(GPT_OSS_FORMATS)}); any of bf16, "
                         f"{', '.join(ONLINE)}, and qcompile.synth's quantized formats (gpt_oss: gptoss-mxfp4); "
                         "FORMAT@KERNEL runs FORMAT with that kernel override (e.g. modelopt-fp8@fp8_scaled_mm); "
-                        "FORMAT[@KERNEL]~KEY=VALUE[+KEY=VALUE] with qcompile backend options, a dotted KEY an inductor config entry (e.g. ct-w4a16~small_topk=0, "
-                        "ct-w4a16~triton.enable_pdl=0+fuse=0): one run can interleave the same checkpoint both "
+                        "FORMAT[@KERNEL]~KEY=VALUE[+KEY=VALUE] with qcompile backend options, a dotted KEY an "
+                        "inductor config entry (e.g. ct-w4a16~small_topk=0, ct-w4a16~triton.enable_pdl=0+fuse=0): one run can interleave the same checkpoint both "
                         "ways (HF generate too)")
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default: 32 llama, 4 qwen3_moe and gpt_oss)")
