@@ -74,8 +74,8 @@ def parse_args(argv=None):
                         f"{', '.join(ONLINE)}, and qcompile.synth's quantized formats (gpt_oss: gptoss-mxfp4); "
                         "FORMAT@KERNEL runs FORMAT with that kernel override (e.g. modelopt-fp8@fp8_scaled_mm); "
                         "FORMAT[@KERNEL]~KEY=VALUE[+KEY=VALUE] with qcompile backend options, a dotted KEY an "
-                        "inductor config entry (e.g. ct-w4a16~small_topk=0, ct-w4a16~triton.enable_pdl=0+fuse=0): one run can interleave the same checkpoint both "
-                        "ways (HF generate too)")
+                        "inductor config entry (e.g. ct-w4a16~small_topk=0, ct-w4a16~triton.enable_pdl=0+fuse=0): "
+                        "one run can interleave the same checkpoint both ways (HF generate too)")
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default: 32 llama, 4 qwen3_moe and gpt_oss)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
