@@ -373,7 +373,7 @@ def test_fp8_cache_reads_its_codes(llama):
     torch.testing.assert_close(got, want, **TOL)
     before, after = graphs[0]
     diff = graph_diff(before, after)
-    layer = r"\w*cache_layers_0_"
+    layer = r"\w*(?:cache|past_key_values)_layers_0_"  # the cache argument's name: transformers 5.24 / 5.17
     codes = {kind: re.search(rf"(\w+) = {layer}{kind}_bytes\.view\(torch\.float8_e4m3fn\)", after).group(1)
              for kind in ("key", "value")}  # the fp8 views of the cache's byte buffers
     assert re.search(rf"decode_attention\.default\(\w+, {codes['key']}, {codes['value']}, \w+, 0\.25, "
