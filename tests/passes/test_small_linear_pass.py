@@ -11,7 +11,7 @@ from expecttest import assert_expected_inline
 
 import qcompile
 from qcompile.passes.small_linear import MAX_M, MAX_ROW_BYTES, linear_by_reduction, rewrite_small_linears
-from tests.passes.test_topk_pass import _router, body, router
+from tests.passes.test_topk_pass import assert_left_alone, body, inductor_router, router
 from tests.passes.test_topk_pass import rewritten as rewritten_by
 
 BF16_ULP = 2.0 ** -8
@@ -88,9 +88,7 @@ LEFT_ALONE = {
 
 @pytest.mark.parametrize("case", LEFT_ALONE)
 def test_left_alone(case):
-    fn, x = LEFT_ALONE[case]
-    _, before, after = rewritten(fn, x)
-    assert "_nn.linear" in before and before == after
+    assert_left_alone(*LEFT_ALONE[case], "_nn.linear", rewritten)
 
 
 def test_rows_times_bytes_decides():
@@ -110,8 +108,7 @@ def test_a_linear_that_needs_a_gradient_is_left_alone():
 
 
 def test_dynamic_shapes_are_left_alone():
-    _, before, after = rewritten(lambda x: F.linear(x, _W), torch.randn(3, 64), dynamic=True)
-    assert "_nn.linear" in before and before == after
+    assert_left_alone(lambda x: F.linear(x, _W), torch.randn(3, 64), "_nn.linear", rewritten, dynamic=True)
 
 
 def test_cpu_graphs_are_left_alone_by_default():
@@ -130,19 +127,10 @@ def test_backend_runs_the_pass_under_inductor_only():
 def test_transformers_routers_under_inductor(arch):
     """Inductor (its CPU code generation) compiles each rewritten router: logits within one rounding of the
     eager router's (fp32 here: a few ulps), the same experts."""
-    from torch._inductor.compile_fx import compile_fx
+    def check(code):
+        assert code.count("linear_by_reduction(") == 1 and "_nn.linear" not in code, code
 
-    def backend(gm, example_inputs):
-        rewrite_small_linears(gm, example_inputs, devices=("cpu",))
-        assert gm.code.count("linear_by_reduction(") == 1 and "_nn.linear" not in gm.code, gm.code
-        return compile_fx(gm, example_inputs)
-
-    module, _ = _router(arch)
-    x = torch.randn(5, 32)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        logits, weights, ids = torch.compile(module, backend=backend, fullgraph=True)(x)
-        want_logits, want_weights, want_ids = module(x)
+    (logits, _, ids), (want_logits, _, want_ids) = inductor_router(arch, rewrite_small_linears, check)
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
 

@@ -96,6 +96,12 @@ def rewritten(fn, *args, dynamic=False, devices=("cpu",), rewrite=rewrite_small_
     return (out, *graphs[0])
 
 
+def assert_left_alone(fn, x, call: str, rewrite=rewritten, **kwargs) -> None:
+    """The graph of ``fn(x)`` holds ``call``, and ``rewrite`` (a :func:`rewritten`) leaves it unchanged."""
+    _, before, after = rewrite(fn, x, **kwargs)
+    assert call in before and before == after
+
+
 def body(code: str) -> str:
     return "\n".join(line.strip() for line in code.strip().splitlines()[1:] if line.strip())
 
@@ -139,14 +145,11 @@ LEFT_ALONE = {
 
 @pytest.mark.parametrize("case", LEFT_ALONE)
 def test_left_alone(case):
-    fn, x = LEFT_ALONE[case]
-    _, before, after = rewritten(fn, x)
-    assert "topk" in before and before == after
+    assert_left_alone(*LEFT_ALONE[case], "topk")
 
 
 def test_dynamic_row_length_is_left_alone():
-    _, before, after = rewritten(lambda x: torch.topk(x, 2), torch.randn(3, 8), dynamic=True)
-    assert "torch.topk" in before and before == after
+    assert_left_alone(lambda x: torch.topk(x, 2), torch.randn(3, 8), "torch.topk", dynamic=True)
 
 
 def test_dynamic_token_count_is_rewritten():
@@ -265,22 +268,30 @@ def test_transformers_routers_are_rewritten_exactly(arch):
     torch.testing.assert_close(weights.gather(-1, order), want_weights.gather(-1, want_order), rtol=2.5e-7, atol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_inductor_lowers_the_selection_steps(arch):
-    """Inductor (here its CPU code generation) compiles the rewritten routers and returns eager's experts."""
+def inductor_router(arch: str, rewrite, check) -> tuple:
+    """((logits, weights, ids) of ``arch``'s router compiled by inductor's CPU code generation after ``rewrite``
+    (a pass on the CPU), the eager router's); ``check(code)`` asserts on the rewritten graph."""
     from torch._inductor.compile_fx import compile_fx
 
     def backend(gm, example_inputs):
-        rewrite_small_topk(gm, example_inputs, devices=("cpu",))
-        assert "topk_by_selection" in gm.code
+        rewrite(gm, example_inputs, devices=("cpu",))
+        check(gm.code)
         return compile_fx(gm, example_inputs)
 
     module, _ = _router(arch)
     x = torch.randn(5, 32)
     torch._dynamo.reset()
     with torch.no_grad():
-        logits, weights, ids = torch.compile(module, backend=backend, fullgraph=True)(x)
-        want_logits, want_weights, want_ids = module(x)
+        return torch.compile(module, backend=backend, fullgraph=True)(x), module(x)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_inductor_lowers_the_selection_steps(arch):
+    """Inductor (here its CPU code generation) compiles the rewritten routers and returns eager's experts."""
+    def check(code):
+        assert "topk_by_selection" in code
+
+    (logits, weights, ids), (want_logits, want_weights, want_ids) = inductor_router(arch, rewrite_small_topk, check)
     torch.testing.assert_close(logits, want_logits, rtol=1e-6, atol=1e-6)  # inductor's own linear / sigmoid
     assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
     order, want_order = ids.argsort(-1), want_ids.argsort(-1)
