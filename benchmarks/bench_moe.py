@@ -314,6 +314,12 @@ def wo_layer(spec, e: int, h: int, i: int, device: str, seed: int, tiled: bool =
     return as_loaded(spec, w13, w2, h, i) if tiled else (spec, w13, w2)
 
 
+def wo_refusal(spec, h: int, i: int) -> str | None:
+    """"fails: ..." where the weight-only kernels do not take K of a projection (whole words and scale groups)."""
+    return next((f"fails: {what}: {r}" for what, kk in zip(mw.PROJECTIONS, (h, i))
+                 if (r := mw.triton_shape_reason(spec.weight, 0, kk))), None)
+
+
 def _wo_call(spec, w13: tuple, w2: tuple):
     def make(x, ids, w):  # the op as a model calls it (a measured choice where there is one); CPU: the reference
         return functools.partial(torch.ops.qcompile.wo_moe, x, ids, w, *w13, *w2, None, None, "silu", spec.key,
@@ -332,8 +338,7 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
         spec = parse_scheme_key(scheme)
         forced = {f"{row}, {path}": kw for path, kw in WO_PATHS.items()} if n < WO_PATH_FORMATS else {}
         labels = [row] + list(forced)
-        why = next((f"fails: {what}: {r}" for what, kk in zip(mw.PROJECTIONS, (h, i))
-                    if (r := mw.triton_shape_reason(spec.weight, 0, kk))), None)
+        why = wo_refusal(spec, h, i)
         if why:  # K the weight-only kernels do not take (whole words and scale groups)
             rows += [dict(shape=name, tokens=t, row=label, us=why, experts_used=0, floor_us=0.0, pct_floor=None)
                      for t in tokens for label in labels]
@@ -375,8 +380,7 @@ def pdl_ab(name: str, shape, tokens, replays: int, device: str, log, rotate: int
     layers = _layers(e, h, i, k, device)
     makers = {row: _fused_call(layers[row], device) for row in PDL_ROWS[:2]}
     spec = parse_scheme_key(OURS_WO[PDL_ROWS[2]])
-    why = next((f"fails: {what}: {r}" for what, kk in zip(mw.PROJECTIONS, (h, i))
-                if (r := mw.triton_shape_reason(spec.weight, 0, kk))), None)
+    why = wo_refusal(spec, h, i)
     rows = [dict(shape=name, tokens=t, row=PDL_ROWS[2], off_us=why, on_us=why, ratio=None) for t in tokens] if why \
         else []
     if not why:

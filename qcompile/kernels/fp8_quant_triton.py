@@ -31,6 +31,7 @@ import torch
 
 from ..scheme import Granularity, QDtype
 from . import quant_math
+from .wo_policy import pdl_default
 
 try:
     import triton
@@ -70,8 +71,6 @@ def pdl(t: torch.Tensor) -> dict:
     """The launch keywords of a Triton kernel that takes a ``PDL`` constexpr and starts with :func:`_pdl_start`:
     programmatic dependent launch for tensors on a GPU of sm_90+ (as the weight-only kernel decides it:
     ``QCOMPILE_PDL=0`` turns it off), else none."""
-    from .wo_policy import pdl_default
-
     on = _PDL[0] and t.is_cuda and not interpreting() and pdl_default(torch.cuda.get_device_capability(t.device))
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
