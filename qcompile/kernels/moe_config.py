@@ -126,15 +126,19 @@ def default_config(q: MoeQuant, e: int, h: int, i: int, k: int, t: int, num_sms:
     quantized once by a separate kernel (measured faster than quantizing in every program's prologue,
     and aligned blocks faster than per-pair programs with a folded top-k sum, at every token count).
     With 16 / 32 rows (decode) the weights are the MMA's M side, GEMM 1 takes narrower column tiles
-    and GEMM 2 a split over K when that leaves SMs idle."""
+    and GEMM 2 a split over K when that leaves SMs idle. Per-step (128-block) scales in 64-row tiles
+    take GEMM 1 tiles of 128 columns (a grid over 64 / 128 rows, 64 / 128 columns per GEMM, 4 / 8 warps
+    and 3 / 4 stages on an H100 had these tiles fastest at every large T it timed)."""
     p = t * k
     rows = p / max(1, min(e, p))  # rows per active expert
-    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 or q.per_step else 128
+    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 else 128
     small = bm <= 32
     blocks = min(e, p) * math.ceil(rows / bm)
     # (sm_90 with ptxas: 8 warps keep 64-128 row tiles below 255 registers, block scales included)
     warps, stages = (4, 4) if small else (8, 3)
     bn1 = 64 if not small or blocks * math.ceil(i / 64) >= num_sms else 32
+    if q.per_step and bm == 64:
+        bn1 = 128
     g1 = GemmConfig(bn1, 128, 1, warps, stages, small, False)
     bn2 = 64 if small else 128
     split = 1
