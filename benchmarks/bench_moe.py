@@ -34,9 +34,11 @@ wall-clock timing: a smoke test of this script, not a measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -106,6 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--pdl-ab", action="store_true",
                    help="instead: FP8 tensor / channel and int4 g128 rows with qcompile's Triton kernels launched "
                         "without and with programmatic dependent launch, alternately (medians of 3 rounds)")
+    p.add_argument("--fuse-ab", action="store_true",
+                   help="instead: the weight-only rows with wo_mma's grouped build running the gated activation and "
+                        "one token's top-k sum as separate launches and fused, alternately (medians of 3 rounds)")
     return p
 
 
@@ -368,35 +373,55 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
 
 
 PDL_ROWS = ("ours FP8 tensor static", "ours FP8 channel x token", "ours int4 g128 weight-only")
+AB_WHAT = {"pdl": "PDL", "fuse": "fused epilogues"}
 
 
-def pdl_ab(name: str, shape, tokens, replays: int, device: str, log, rotate: int = 1, rounds: int = 3) -> list[dict]:
-    """``--pdl-ab``: :data:`PDL_ROWS` timed with qcompile's Triton kernels launched without PDL and with it
-    (``fp8_quant_triton.without_pdl``; ``wo_mma`` keeps PDL in both), alternately in ``rounds`` rounds; the
-    medians."""
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def ab(mode: str, name: str, shape, tokens, replays: int, device: str, log, rotate: int = 1,
+       rounds: int = 3) -> list[dict]:
+    """``--pdl-ab`` (``mode`` "pdl"): :data:`PDL_ROWS` timed with qcompile's Triton kernels launched without PDL and
+    with it (``fp8_quant_triton.without_pdl``; ``wo_mma`` keeps PDL in both); ``--fuse-ab`` ("fuse"): the
+    weight-only rows with wo_mma's grouped build running the gated activation and one token's top-k sum as separate
+    launches (``QCOMPILE_MOE_FUSE=0``) and fused. Without and with alternately in ``rounds`` rounds; the medians."""
     from qcompile.kernels.fp8_quant_triton import without_pdl
 
     e, h, i, k = shape
-    layers = _layers(e, h, i, k, device)
-    makers = {row: _fused_call(layers[row], device) for row in PDL_ROWS[:2]}
-    spec = parse_scheme_key(OURS_WO[PDL_ROWS[2]])
-    why = wo_refusal(spec, h, i)
-    rows = [dict(shape=name, tokens=t, row=PDL_ROWS[2], off_us=why, on_us=why, ratio=None) for t in tokens] if why \
-        else []
-    if not why:
-        makers[PDL_ROWS[2]] = _wo_call(*wo_layer(spec, e, h, i, device, 0))
+    makers, rows = {}, []
+    if mode == "pdl":
+        layers = _layers(e, h, i, k, device)
+        makers = {row: _fused_call(layers[row], device) for row in PDL_ROWS[:2]}
+    for row in PDL_ROWS[2:] if mode == "pdl" else OURS_WO:
+        spec = parse_scheme_key(OURS_WO[row])
+        why = wo_refusal(spec, h, i)
+        if why:
+            rows += [dict(shape=name, tokens=t, row=row, off_us=why, on_us=why, ratio=None) for t in tokens]
+        else:
+            makers[row] = _wo_call(*wo_layer(spec, e, h, i, device, 0))
+    off = without_pdl if mode == "pdl" else functools.partial(_env, "QCOMPILE_MOE_FUSE", "0")
     for t in tokens:
         routes, _ = routings(t, e, h, k, device, rotate)
         for row, make in makers.items():
             times = {False: [], True: []}
             for _ in range(rounds):
-                with without_pdl():
+                with off():
                     times[False].append(_time(cycled(make, routes), t, replays, device))
                 times[True].append(_time(cycled(make, routes), t, replays, device))
-            off, on = (statistics.median(times[p]) for p in (False, True))
-            ratio = round(on / off, 3) if isinstance(on, float) and isinstance(off, float) else None
-            rows.append(dict(shape=name, tokens=t, row=row, off_us=off, on_us=on, ratio=ratio))
-            log(f"{name} T={t} {row}: without PDL {off} us, with {on} us")
+            off_us, on_us = (statistics.median(times[p]) for p in (False, True))
+            ratio = round(on_us / off_us, 3) if isinstance(on_us, float) and isinstance(off_us, float) else None
+            rows.append(dict(shape=name, tokens=t, row=row, off_us=off_us, on_us=on_us, ratio=ratio))
+            log(f"{name} T={t} {row}: without {AB_WHAT[mode]} {off_us} us, with {on_us} us")
     return rows
 
 
@@ -446,10 +471,12 @@ def run(args: argparse.Namespace) -> dict:
     tokens = [1, 3] if args.dry_run else args.tokens
     log = (lambda *a, **kw: None) if args.markdown else (lambda msg: print(msg, file=sys.stderr))
     label = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run, not a measurement)"
-    if args.pdl_ab:
-        rows = [r for name in shapes for r in pdl_ab(name, (SHAPES | TINY)[name], tokens, args.replays, device, log,
-                                                      args.rotate)]
-        head = "| shape | T | row | without PDL, µs | with PDL, µs | with / without |\n" + "| --- " * 6 + "|\n"
+    mode = "pdl" if args.pdl_ab else "fuse" if args.fuse_ab else None
+    if mode:
+        rows = [r for name in shapes for r in ab(mode, name, (SHAPES | TINY)[name], tokens, args.replays, device, log,
+                                                 args.rotate)]
+        what = AB_WHAT[mode]
+        head = f"| shape | T | row | without {what}, µs | with {what}, µs | with / without |\n" + "| --- " * 6 + "|\n"
         print(f"{label}\n\n{head}" + "\n".join(f"| {r['shape']} | {r['tokens']} | {r['row']} | {r['off_us']} | "
                                                 f"{r['on_us']} | {r['ratio']} |" for r in rows))
         if args.json:

@@ -132,5 +132,23 @@ def test_bench_moe_pdl_ab_dry_run(tmp_path, capsys):
                                                                 "the group size 128"}
     assert all(isinstance(r["off_us"], float) and isinstance(r["on_us"], float) for r in rows if r["row"] != int4)
     assert "| with PDL, µs |" in capsys.readouterr().out
-    rows = bench.pdl_ab("tiny", (4, 128, 128, 2), [1], 3, "cpu", lambda msg: None, rounds=1)
+    rows = bench.ab("pdl", "tiny", (4, 128, 128, 2), [1], 3, "cpu", lambda msg: None, rounds=1)
     assert [r["row"] for r in rows] == list(bench.PDL_ROWS) and all(isinstance(r["on_us"], float) for r in rows)
+
+
+def test_bench_moe_fuse_ab_dry_run(tmp_path, capsys, monkeypatch):
+    """--fuse-ab times every weight-only row both ways, QCOMPILE_MOE_FUSE=0 set only around the "without" calls."""
+    bench = _load()
+    seen = []
+    make = bench._wo_call
+    monkeypatch.setattr(bench, "_wo_call", lambda *a: (lambda *r: (lambda f: lambda: (
+        seen.append(bench.os.environ.get("QCOMPILE_MOE_FUSE")), f())[1])(make(*a)(*r))))
+    monkeypatch.delenv("QCOMPILE_MOE_FUSE", raising=False)
+    out = tmp_path / "fuse.json"
+    assert bench.main(["--dry-run", "--markdown", "--fuse-ab", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["row"], r["tokens"]) for r in rows) == sorted((row, t) for row in bench.OURS_WO for t in (1, 3))
+    int4 = next(iter(bench.OURS_WO))  # refused at the tiny shape (I = 192)
+    assert all(isinstance(r["off_us"], float) and isinstance(r["on_us"], float) for r in rows if r["row"] != int4)
+    assert set(seen) == {"0", None} and "QCOMPILE_MOE_FUSE" not in bench.os.environ
+    assert "| with fused epilogues, µs |" in capsys.readouterr().out

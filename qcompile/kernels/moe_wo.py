@@ -18,7 +18,8 @@ Arguments: those of ``qcompile::experts_ref`` (:mod:`experts_ref`) without the a
    sort: each of its pairs is a block of its own.
 2. GEMM 1: at decode sizes on CUDA, wo_mma's grouped build (:func:`wo_mma.grouped`: one launch over the
    blocks, weights decoded in registers, the x rows of each block's pairs; experts tiled at load,
-   :func:`tile_for_mma`): fp32 h [T·k, N1]. Otherwise ``_wo_gemm_kernel`` in its GROUPED mode
+   :func:`tile_for_mma`): fp32 h [T·k, N1], or with a gated activation step 3 fused (each CTA multiplies gate
+   and up tiles of the same columns and writes the activations). Otherwise ``_wo_gemm_kernel`` in its GROUPED mode
    (:mod:`wo_gemm_triton`; each row block multiplies its expert's weights, decoded in registers, by the x
    rows of its pairs): fp32 h [split, T·k, N1], the bias added by the first K split.
 3. ``_act_rows_kernel``: the splits summed and the activation (experts_ref.gated_activation's math) in
@@ -95,6 +96,12 @@ PROJECTIONS = ("gate/up projection w13", "down projection w2")
 ACT_CODES = {"silu": 1, "gelu_tanh": 2, "relu2": 3, "swigluoai": 4, "gelu": 5}
 
 
+def fuse_activation() -> bool:
+    """Whether wo_mma's grouped build may fuse the gated activation into GEMM 1 (``QCOMPILE_MOE_FUSE=0``: a
+    separate launch, as on the Triton kernel's path; a measured choice may also say ``"act": False``)."""
+    return os.environ.get("QCOMPILE_MOE_FUSE", "1") != "0"
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -151,20 +158,27 @@ def mma_rule(x: torch.Tensor, pairs: int, experts: int) -> dict | None:
     return {"block_m": 8} if rows <= 8 else {"block_m": 16} if rows <= MMA_MAX_ROWS else None
 
 
-def _mma_launches(x, w13: tuple, w2: tuple, b13, b2, spec, i: int, mma: dict, pairs: int):
+def _mma_launches(x, w13: tuple, w2: tuple, b13, b2, spec, i: int, mma: dict, pairs: int, activation: str = ""):
     """wo_mma's grouped launches of both GEMMs for an ``mma`` choice (``block_m``, and per GEMM optional
-    ``warps`` / ``split`` / ``kw`` / ``rt``: :data:`MMA_AXES`), or None where either has none (the Triton kernel
-    runs)."""
+    ``warps`` / ``split`` / ``kw`` / ``rt``: :data:`MMA_AXES`; GEMM 1's ``act``), or None where either has none
+    (the Triton kernel runs). GEMM 1's launch fuses a gated ``activation`` where it has such a launch, unless the
+    choice's ``act`` is False or :func:`fuse_activation` says no."""
     from . import wo_mma
 
     if not x.is_cuda:
         return None
     e, h = w13[0].shape[0], x.shape[1]
     active, bm = min(e, pairs), mma["block_m"]
-    l1 = wo_mma.grouped_launch(x.dtype, x.device, w13[0], w13[2], w13[3], b13, spec.weight, h, bm, active,
-                               **mma.get("gemm1", {}))
-    l2 = l1 and wo_mma.grouped_launch(x.dtype, x.device, w2[0], w2[2], w2[3], b2, spec.weight, i, bm, active,
-                                      **mma.get("gemm2", {}))
+    fixed1 = dict(mma.get("gemm1", {}))
+    name = activation.split(":")[0]
+    gact = ACT_CODES[name] if fixed1.pop("act", True) and fuse_activation() and name in ACTIVATIONS else 0
+
+    def launch(w, b, k, fixed, **fused):
+        return wo_mma.grouped_launch(x.dtype, x.device, w[0], w[2], w[3], b, spec.weight, k, bm, active, **fixed,
+                                     **fused)
+
+    l1 = (gact and launch(w13, b13, h, fixed1, gact=gact)) or launch(w13, b13, h, fixed1)
+    l2 = l1 and launch(w2, b2, i, mma.get("gemm2", {}))
     return (l1, l2) if l2 else None
 
 
@@ -207,16 +221,20 @@ def wo_moe_triton(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: s
         x, a_div, route = (x.float().repeat_interleave(k, 0) * route.float()[:, None]).to(x.dtype), 1, None
     else:
         a_div = k
-    launches = _mma_launches(x, w13, w2, b13, b2, spec, i, mma, pairs) if mma and configs is None else None
+    launches = _mma_launches(x, w13, w2, b13, b2, spec, i, mma, pairs, activation) if mma and configs is None \
+        else None
     if launches:
         from .wo_mma import grouped
 
         # one token: each pair is a block of its own (no sort launch; a top-k's experts are distinct)
         align = flat_ids if t == 1 else moe_align(flat_ids, e, mma["block_m"])
-        hid = grouped(launches[0], x, a_div, *w13[:4], b13, spec.weight, align, pairs, None)
-        # GEMM 2 starts once every program of the activation kernel has waited for GEMM 1, which waited for the
-        # ids: they are complete, and GEMM 2 requests its weights before it waits for the activation (ready)
-        a = activate(hid.unsqueeze(0), activation, i, x.dtype)
+        alpha, limit = (float(v) for v in activation.split(":")[1:]) if ":" in activation else (0.0, 0.0)
+        a = grouped(launches[0], x, a_div, *w13[:4], b13, spec.weight, align, pairs, None, alpha=alpha, limit=limit)
+        if not launches[0].cfg.gact:
+            a = activate(a.unsqueeze(0), activation, i, x.dtype)
+        # GEMM 2 starts once every program of the kernel before it (the activation, or GEMM 1 with the activation
+        # fused) has waited for the kernel before that, back to the sort or the ids: they are complete, and GEMM 2
+        # requests its weights before it waits for the activations (ready)
         y = grouped(launches[1], a, 1, *w2[:4], b2, spec.weight, align, pairs, route, ready=True).unsqueeze(0)
     elif configs is None and dequantizes(x, pairs, e, dequant_rows):
         y = _dequantized_experts(x, a_div, flat_ids, route, w13, w2, b13, b2, activation, spec, i)
@@ -286,14 +304,17 @@ NO_DEQUANT = 1 << 62  # dequant_rows that keeps every call on the grouped kernel
 MMA_BLOCK_M = (8, 16)
 # one grouped wo_mma GEMM's launch: warps per CTA, K split, warps per 16-row tile, tiles per warp (group)
 MMA_AXES = {"warps": (4, 8, 16), "split": (1, 2, 3, 4, 6, 8), "kw": (1, 2, 4), "rt": (1, 2)}
+MMA_ACT = (True, False)  # GEMM 1's "act": the gated activation fused into it, or a separate launch
 
 
 def _mma_choice(launch: dict) -> bool:
-    """A readable ``mma`` launch: ``block_m`` of :data:`MMA_BLOCK_M`, optional per-GEMM :data:`MMA_AXES` values."""
+    """A readable ``mma`` launch: ``block_m`` of :data:`MMA_BLOCK_M`, optional per-GEMM :data:`MMA_AXES` values
+    (and GEMM 1's ``act``, :data:`MMA_ACT`)."""
     gemms = {g: launch.get(g, {}) for g in ("gemm1", "gemm2")}
+    axes = {"gemm1": MMA_AXES | {"act": MMA_ACT}, "gemm2": MMA_AXES}
     return (launch.get("block_m") in MMA_BLOCK_M and set(launch) <= {"block_m", "gemm1", "gemm2"}
-            and all(isinstance(c, dict) and all(v in MMA_AXES.get(a, ()) for a, v in c.items())
-                    for c in gemms.values()))
+            and all(isinstance(c, dict) and all(v in axes[g].get(a, ()) and type(v) is type(axes[g][a][0])
+                                                for a, v in c.items()) for g, c in gemms.items()))
 
 
 def _route(choice: wo_tune.Choice | None, rule_mma: dict | None) -> tuple[tuple[dict, dict] | None, int, dict | None]:
@@ -346,10 +367,11 @@ def _with(choice: wo_tune.Choice, gemm: str | None, field: str, value) -> wo_tun
 
 def tune_call(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, spec, on_input: bool, i: int,
               reps: int = 20, keep: bool = True) -> dict:
-    """µs of this call's candidate launches: the rule, dequantize + ``_grouped_mm``, and by coordinate descent
-    from the rule's launches wo_mma's grouped build (where it has a launch: block_m, then each GEMM's
-    :data:`MMA_AXES`) and the Triton kernel (BLOCK_M of both GEMMs, then each GEMM's :data:`TUNE_AXES`), one
-    axis at a time. With ``keep`` the fastest goes into wo_tune's on-disk cache under the call's T bucket."""
+    """µs of this call's candidate launches: the rule, dequantize + ``_grouped_mm``, and by coordinate descent from the
+    rule's launches wo_mma's grouped build (where it has a launch: block_m, then each GEMM's :data:`MMA_AXES`, then
+    whether GEMM 1 fuses the activation) and the Triton kernel (BLOCK_M of both GEMMs, then each GEMM's
+    :data:`TUNE_AXES`), one axis at a time. With ``keep`` the fastest goes into wo_tune's on-disk cache under the
+    call's T bucket."""
     epw = layout_of(spec.weight).epw
     pairs, e, n1, h = ids.numel(), w13[0].shape[0], w13[0].shape[1], x.shape[1]
     rule_mma = mma_rule(x, pairs, e)
@@ -372,7 +394,8 @@ def tune_call(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, 
 
     if mma_start in times:
         descend(mma_start, [("block_m", None, MMA_BLOCK_M)] + [(f, g, v) for g in ("gemm1", "gemm2")
-                                                                for f, v in MMA_AXES.items()])
+                                                                for f, v in MMA_AXES.items()]
+                + [("act", "gemm1", MMA_ACT)])
     if triton_start in times:  # (any BLOCK_K runs: a partial last K step is masked)
         descend(triton_start, [("BLOCK_M", None, TUNE_BLOCK_M)] + [
             ("BLOCK_K" if f == "words" else f, g, tuple(v * epw for v in vals) if f == "words" else vals)

@@ -48,6 +48,10 @@
 //    reduced in a cluster only. For one token the pairs' expert ids stand in for the sort (`direct`: block z is
 //    pair z). With `ready` (the sort was complete when the kernel launched) the block's weights are requested
 //    before griddepcontrol.wait, as in the dense build.
+//    GACT (a gated activation fused into GEMM 1): each CTA takes TPC / 2 16-row tiles of the gate rows and the
+//    same tiles of the up rows (row I + n for gate row n, I = N / 2); after the main loop (and the cluster's
+//    reduction of a split) it applies the activation to each (gate, up) pair of outputs and writes the
+//    activations [pairs, I] in x's dtype.
 //  * PDL (sm_90, programmatic dependent launch): the first weight chunks are requested before
 //    griddepcontrol.wait, so they overlap the previous kernel's tail; x, the outputs, the partials
 //    and the counters are touched only after it. With TRIG the kernel lets the next one launch at
@@ -61,7 +65,8 @@
 // (tiled words), CLUSTER (splits in one cluster), PDL, TRIG (early launch_dependents), WGMMA, XSTAGES
 // (x chunks in flight, wgmma), MINB (CTAs per SM the registers must allow), WS (the warp-specialized
 // build), NSTG (its weight slots), KW (warps per 16-row tile), RT (16-row tiles per warp), XF16 (fp16 x
-// and output), XS (x streamed through a ring in the mma.sync build), GROUPED (the MoE experts' launch).
+// and output), XS (x streamed through a ring in the mma.sync build), GROUPED (the MoE experts' launch), GACT
+// (GROUPED: the gated activation fused, 1 silu, 2 gelu tanh, 4 swigluoai, 5 gelu).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -120,6 +125,12 @@ typedef unsigned short u16;
 #endif
 #if GROUPED && (WGMMA || WS || XS)
 #error "GROUPED: the mma.sync build with x staged"
+#endif
+#ifndef GACT
+#define GACT 0
+#endif
+#if GACT && (!GROUPED || (WARPS / KW) % 2)
+#error "GACT: the grouped build with an even number of tile groups (half gate, half up tiles)"
 #endif
 #define BITS ((FMT == FMT_INT4 || FMT == FMT_E2M1) ? 4 : 8)
 #define KPC (BITS == 4 ? 128 : 64)  // k per chunk (per row)
@@ -614,6 +625,84 @@ __device__ __forceinline__ float route_w(const void* __restrict__ route, int rh,
   return rh ? h_to_f32(((const u16*)route)[p]) : ((const float*)route)[p];
 }
 
+#if GACT
+// The gated activation of one (gate, up) pair of fp32 outputs (the fused MoE's epilogue math).
+__device__ __forceinline__ float gated_act(float g, float u, float alpha, float limit) {
+#if GACT == 4  // swigluoai: (clamp(up, -limit, limit) + 1) * g sigmoid(alpha g), g = min(gate, limit)
+  g = fminf(g, limit);
+  return g / (1.f + __expf(-alpha * g)) * (fminf(fmaxf(u, -limit), limit) + 1.f);
+#elif GACT == 1  // silu
+  return g / (1.f + __expf(-g)) * u;
+#elif GACT == 2  // gelu, tanh approximation: y sigmoid(2 sqrt(2 / pi) (y + 0.044715 y^3))
+  return g / (1.f + __expf(-1.5957691216057308f * (g + 0.044715f * g * g * g))) * u;
+#else  // gelu (erf)
+  return 0.5f * g * (1.f + erff(g * 0.7071067811865476f)) * u;
+#endif
+}
+
+// GACT's epilogue: the CTA's outputs [M][TPC * 16] (gate tiles, then up tiles) to shared memory, summed over the
+// cluster's CTAs in rank order with a split; then 4 activations of one token per thread and step, written in x's
+// dtype to the pair's row of out [pairs, N / 2]. Every thread of the CTA calls it.
+__device__ __forceinline__ void store_act(float (&acc)[RT * MT][4], bool active, int tile, const float* __restrict__ gs,
+                                          const u16* __restrict__ bias, u16* __restrict__ out, int M, int N,
+                                          unsigned char* xs, const int* gpair, int pairs, float alpha, float limit) {
+  const int lane = threadIdx.x & 31, r = lane >> 2, q = lane & 3;
+  constexpr int NR = TPC * 16, HR = NR / 2;  // output rows of a CTA, gate rows of a CTA
+  const int I = N / 2;
+  const float g = HAS_GS ? gs[0] : 1.f;
+  float* red = (float*)xs;  // [M][NR] fp32, over x once every warp is past it
+  __syncthreads();
+  if (active) {
+#pragma unroll
+    for (int t = 0; t < RT * MT; t++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const int tok = t % MT * 8 + 2 * q + (i & 1);
+        if (tok < M) red[tok * NR + (tile + t / MT) * 16 + r + (i >> 1) * 8] = acc[t][i];
+      }
+  }
+#if CLUSTER > 1
+  cluster_sync();
+  const u32 rbase = smem_addr(xs);
+  const int total = M * HR / 4, per = (total + CLUSTER - 1) / CLUSTER, j0 = cluster_rank() * per;
+#else
+  __syncthreads();
+  const int total = M * HR / 4, per = total, j0 = 0;
+#endif
+  const int j1 = min(j0 + per, total);
+  for (int j = j0 + threadIdx.x; j < j1; j += NTHR) {
+    const int tok = 4 * j / HR, c = 4 * j % HR, n = blockIdx.x * HR + c, pr = gpair[tok];
+    if (n >= I || pr >= pairs) continue;
+#if CLUSTER > 1
+    float vg[4] = {0.f, 0.f, 0.f, 0.f}, vu[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int cr = 0; cr < CLUSTER; cr++) {
+      const float4 a = ld_dsmem4(rbase + 4 * (tok * NR + c), cr), b = ld_dsmem4(rbase + 4 * (tok * NR + HR + c), cr);
+      vg[0] += a.x; vg[1] += a.y; vg[2] += a.z; vg[3] += a.w;
+      vu[0] += b.x; vu[1] += b.y; vu[2] += b.z; vu[3] += b.w;
+    }
+#else
+    const float4 a = *(const float4*)(red + tok * NR + c), b = *(const float4*)(red + tok * NR + HR + c);
+    float vg[4] = {a.x, a.y, a.z, a.w}, vu[4] = {b.x, b.y, b.z, b.w};
+#endif
+    u16 o[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      float gv = vg[i] * g, uv = vu[i] * g;
+#if HAS_BIAS
+      gv += h_to_f32(bias[n + i]);
+      uv += h_to_f32(bias[I + n + i]);
+#endif
+      o[i] = f32_to_h(gated_act(gv, uv, alpha, limit));
+    }
+    *(uint2*)(out + (size_t)pr * I + n) = make_uint2(o[0] | ((u32)o[1] << 16), o[2] | ((u32)o[3] << 16));
+  }
+#if CLUSTER > 1
+  cluster_sync();  // keep this CTA's shared memory until the cluster has read it
+#endif
+}
+#endif
+
 // The epilogue of both kernels: the global scale, the bias and the 16-bit output; with split-K, the
 // reduction inside the cluster or through global memory. The warp's RT tiles (acc[j * MT + t] of
 // tile j) are the CTA's tiles `tile` .. `tile` + RT - 1, rows n0 .. n0 + 16 RT - 1 of its TPC * 16
@@ -760,7 +849,8 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
 #define WO_MMA_TAIL , const __grid_constant__ TMap xmap
 #elif GROUPED  // the token sort's blocks, router weights, x rows per pair and the per-expert strides (elements)
 #define WO_MMA_TAIL , const int* __restrict__ sids, const int* __restrict__ bexp, const void* __restrict__ route, \
-    int pairs, int adiv, long long wse, int sse, int zse, int rh, int direct, int nexp, int ready
+    int pairs, int adiv, long long wse, int sse, int zse, int rh, int direct, int nexp, int ready, \
+    float alpha, float limit
 #else
 #define WO_MMA_TAIL
 #endif
@@ -809,8 +899,15 @@ WO_MMA_KERNEL {
 #define X_ROW(m) (x + (size_t)(m) * K)
 #endif
   const int tile = warp / KW * RT;  // this warp's first tile in the CTA
+#if GACT  // tiles 0 .. TPC/2 - 1: gate rows; the others: the same rows of the up half (N / 2 on)
+  const bool up = tile >= TPC / 2;
+  const int n0 = (up ? N / 2 : 0) + (blockIdx.x * (TPC / 2) + tile - (up ? TPC / 2 : 0)) * 16;
+  const int nlim = up ? N : N / 2;
+#else
   const int n0 = (blockIdx.x * TPC + tile) * 16;
-  const bool active = n0 < N;  // N % 16 == 0; idle warps still join the barriers
+  const int nlim = N;
+#endif
+  const bool active = n0 < nlim;  // N % 16 == 0; idle warps still join the barriers
   const int nch = K / KPC;
   const int c0 = blockIdx.y * cps, c1 = min(c0 + cps, nch);
   // this warp's chunks: part kp of KW of the CTA's range (all of it when KW = 1)
@@ -839,7 +936,7 @@ WO_MMA_KERNEL {
   int so[RT];
 #pragma unroll
   for (int j = 0; j < RT; j++) {
-    const int tj = n0 + 16 * j < N ? j : 0;
+    const int tj = n0 + 16 * j < nlim ? j : 0;
     wo[j] = tj * tstride;
     so[j] = tj * 16 * ss;
   }
@@ -1136,7 +1233,11 @@ WO_MMA_KERNEL {
     acc[t][0] *= s_a[t / MT]; acc[t][1] *= s_a[t / MT]; acc[t][2] *= s_b[t / MT]; acc[t][3] *= s_b[t / MT];
   }
 #endif
+#if GACT
+  store_act(acc, owner, tile, gs, bias, out, M, N, xs, gpair, pairs, alpha, limit);
+#else
   store_out(acc, owner, tile, n0, gs, bias, out, part, counters, M, N, xs, gpair, pairs, route, rh);
+#endif
 #undef X_ROW
 }
 #else  // WS

@@ -38,7 +38,7 @@ ZP_TYPES = {torch.int32: "int", torch.int8: "signed char", torch.uint8: "unsigne
 _DEFINES = dict(fmt="FMT", sk="SK", smode="SMODE", group="GROUP", has_zp="HAS_ZP", zp_t="ZP_T", has_gs="HAS_GS",
                 has_bias="HAS_BIAS", mt="MT", stages="STAGES", warps="WARPS", packed="PACKED", cluster="CLUSTER",
                 pdl="PDL", wgmma="WGMMA", xstages="XSTAGES", minb="MINB", ws="WS", nstg="NSTG", trig="TRIG",
-                kw="KW", rt="RT", xf16="XF16", xs="XS", grouped="GROUPED")
+                kw="KW", rt="RT", xf16="XF16", xs="XS", grouped="GROUPED", gact="GACT")
 
 
 def defines(cfg: MmaConfig) -> str:
@@ -227,7 +227,7 @@ def grouped_launch(x_dtype: torch.dtype, device: torch.device, weight, global_sc
     """:func:`wo_policy.grouped_launch` of one projection of an MoE layer's experts (``weight`` [E, N, ...], x of
     ``x_dtype`` with K = ``k``) in blocks of ``block_m`` pair slots, about ``active`` of them busy; None where
     the kernel has no launch for it (:func:`mma_reason`, or no split that fits a cluster). ``fixed``: the
-    policy's ``warps`` / ``split`` / ``kw`` / ``rt``."""
+    policy's ``warps`` / ``split`` / ``kw`` / ``rt``, and ``gact`` (the gated activation fused)."""
     n = weight.shape[1]
     zp_dtype = zero_point.dtype if zero_point is not None else None
     if mma_reason(spec, n, k, x_dtype, zp_dtype):
@@ -240,22 +240,25 @@ def grouped_launch(x_dtype: torch.dtype, device: torch.device, weight, global_sc
 
 def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, global_scale, zero_point, bias,
             spec: WeightSpec, align: tuple[torch.Tensor, torch.Tensor] | torch.Tensor, pairs: int,
-            route: torch.Tensor | None, ready: bool = False) -> torch.Tensor:
+            route: torch.Tensor | None, ready: bool = False, alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
     """One projection of an MoE layer's routed experts in one launch (wo_mma.cu: GROUPED; ``launch`` from
-    :func:`grouped_launch`): fp32 [pairs, N] whose row p is a[p // a_div] @ dequantize(weight[e]).T (+ bias[e])
-    (x route[p]) for pair p of expert e. ``align``: moe_align's (sorted ids, block experts) in blocks of the
-    launch's MT * 8 pair slots, or the pairs' expert ids themselves (int32 / int64 [pairs]: one block per
-    pair; rows of ids outside [0, E) are not written); the weight tensors stacked over experts ([E, ...], the
-    op's canonical forms). ``route`` fp32 or of a's dtype. ``ready``: the ids / sort were complete before the
-    previous kernel of the stream began (it was launched without PDL), so the kernel requests its weights
-    before waiting for that kernel."""
+    :func:`grouped_launch`): fp32 [pairs, N] whose row p is a[p // a_div] @ dequantize(weight[e]).T (+ bias[e]) (x
+    route[p]) for pair p of expert e. A launch with ``gact`` returns the gated activation of those rows instead,
+    [pairs, N / 2] in a's dtype (``alpha`` / ``limit``: swigluoai's). ``align``: moe_align's (sorted ids, block
+    experts) in blocks of the launch's MT * 8 pair slots, or the pairs' expert ids themselves (int32 / int64
+    [pairs]: one block per pair; rows of ids outside [0, E) are not written); the weight tensors stacked over
+    experts ([E, ...], the op's canonical forms). ``route`` fp32 or of a's dtype. ``ready``: the ids / sort were
+    complete before the previous kernel of the stream began (it was launched without PDL), so the kernel requests
+    its weights before waiting for that kernel."""
     e, n, _ = weight.shape
     k = a.shape[1]
+    cfg = launch.cfg
     direct = isinstance(align, torch.Tensor)
     blocks = align.numel() if direct else align[1].numel()
-    out = torch.empty((pairs, n), dtype=torch.float32, device=a.device)
+    rows = torch.empty((pairs, n // 2 if cfg.gact else n), dtype=a.dtype if cfg.gact else torch.float32,
+                       device=a.device)
     if blocks == 0:
-        return out
+        return rows
     a, w, s, ss, z, b = operands(a.contiguous(), weight, scale, zero_point, bias, spec)
     gs = global_scale.float().reshape(e).contiguous() if global_scale is not None else None
     rh = 0
@@ -264,17 +267,17 @@ def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, globa
         route = route.contiguous() if rh or route.dtype == torch.float32 else route.float().contiguous()
     if direct:
         ids = align.contiguous()
-        sorted_ids, block_expert, mode = out, ids, 2 if ids.dtype == torch.int64 else 1
+        sorted_ids, block_expert, mode = rows, ids, 2 if ids.dtype == torch.int64 else 1
     else:
         (sorted_ids, block_expert), mode = align, 0
-    cfg = launch.cfg
     kern = cuda_driver.with_shared_memory(_kernel(cfg, cuda_driver.device_index(a.device)), launch.smem)
     cuda_driver.launch(kern, (launch.cols, launch.split, blocks), (cfg.threads, 1, 1), launch.smem,
-                       cfg.pdl, [a, w, s, z if z is not None else out, gs if gs is not None else out,
-                                 b if b is not None else out, out, out, out, cfg.mt * 8, n, k, ss, launch.cps,
+                       cfg.pdl, [a, w, s, z if z is not None else rows, gs if gs is not None else rows,
+                                 b if b is not None else rows, rows, rows, rows, cfg.mt * 8, n, k, ss, launch.cps,
                                  sorted_ids, block_expert, route, pairs, a_div, ctypes.c_longlong(w.numel() // e),
-                                 s.numel() // e, z.numel() // e if z is not None else 0, rh, mode, e, int(ready)])
-    return out
+                                 s.numel() // e, z.numel() // e if z is not None else 0, rh, mode, e, int(ready),
+                                 ctypes.c_float(alpha), ctypes.c_float(limit)])
+    return rows
 
 
 def wo_mma_blocked(x2: torch.Tensor, weight, scale, global_scale, zero_point, bias, spec: WeightSpec,

@@ -116,6 +116,7 @@ class MmaConfig:
     xf16: bool = False  # fp16 x and output, else bf16
     xs: bool = False  # mma.sync, sm_90: x streamed through a ring of `xstages` chunks per K part, not staged first
     grouped: bool = False  # mma.sync, x staged: an MoE layer's routed experts, one token-sort block per grid z
+    gact: int = 0  # grouped: the gated activation fused (moe_wo.ACT_CODES: the gate tiles and the up tiles in a CTA)
 
     @property
     def bits(self) -> int:
@@ -222,7 +223,7 @@ def smem_bytes(m: int, cps: int, cfg: MmaConfig) -> int:
         smem = x_bytes(m, cps, cfg.bits, cfg.wgmma, cfg.xstages, cfg.kw if cfg.xs else 0, cfg.xnat)
     if cfg.kw > 1:  # the other warps' partials of each tile reuse x's shared memory
         smem = max(smem, (cfg.warps - cfg.warps // cfg.kw) * cfg.rt * cfg.mt * 512)
-    if cfg.cluster > 1:  # the partials reuse x's shared memory: [M][tile rows] fp32
+    if cfg.cluster > 1 or cfg.gact:  # the partials reuse x's shared memory: [M][tile rows] fp32
         smem = max(smem, m * cfg.tiles * 16 * 4)
     if cfg.xs:  # then the ring's full and empty mbarriers (wo_mma.cu: xs_bar_offset)
         smem = -(-smem // 16) * 16 + 16 * cfg.kw * cfg.xstages
@@ -551,20 +552,21 @@ GROUPED_WARPS_PER_SM = 64
 
 @functools.lru_cache(maxsize=None)  # asked on every call of the MoE op
 def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | None = None, split: int | None = None,
-                   max_cluster: int = MAX_CLUSTER, kw: int = 1, rt: int = 1) -> MmaLaunch | None:
-    """The launch of the grouped (MoE experts) mma.sync build for blocks of ``call.m`` pair slots of one expert
-    each, about ``active`` of them busy: :data:`MMA_WARPS` warps per CTA and the split that gives the active
-    blocks :data:`GROUPED_WARPS_PER_SM` warps per SM (:func:`plan` over their ``active * N`` rows), at most
-    ``max_cluster`` (reduced in a thread-block cluster; no split before sm_90). None where that leaves the x
-    slice over :data:`SMEM_BUDGET`. ``warps`` / ``split`` fix the CTA size / the split (None where a forced split
-    exceeds the cluster); ``kw`` warps share a 16-row tile, each group of them owning ``rt`` tiles (the mma.sync
-    build's refinements; None where ``kw`` does not divide the warps). Its grid's third dimension is the token
+                   max_cluster: int = MAX_CLUSTER, kw: int = 1, rt: int = 1, gact: int = 0) -> MmaLaunch | None:
+    """The launch of the grouped (MoE experts) mma.sync build for blocks of ``call.m`` pair slots of one expert each,
+    about ``active`` of them busy: :data:`MMA_WARPS` warps per CTA and the split that gives the active blocks
+    :data:`GROUPED_WARPS_PER_SM` warps per SM (:func:`plan` over their ``active * N`` rows), at most ``max_cluster``
+    (reduced in a thread-block cluster; no split before sm_90). None where that leaves the x slice over
+    :data:`SMEM_BUDGET`. ``warps`` / ``split`` fix the CTA size / the split (None where a forced split exceeds the
+    cluster); ``kw`` warps share a 16-row tile, each group of them owning ``rt`` tiles (the mma.sync build's
+    refinements; None where ``kw`` does not divide the warps). ``gact`` (an activation code) fuses the gated activation
+    (None where the tile groups are odd or N / 2 is not a multiple of 16). Its grid's third dimension is the token
     sort's block count, given at the launch."""
     spec, m, n, k = call.spec, call.m, call.n, call.k
     stages = LAUNCH[spec.tiled][0]
     bits, warps, most = spec.dtype.bits, warps or MMA_WARPS, max_cluster if gpu.capability[0] >= 9 else 1
     nch = k // KPC[bits]
-    if warps % kw:
+    if warps % kw or (gact and ((warps // kw) % 2 or n % 32)):
         return None
     if split is None:
         split = min(plan(m, n * active, k, bits, warps, stages, gpu.sms, None, GROUPED_WARPS_PER_SM, kw=kw,
@@ -576,7 +578,8 @@ def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | No
     smode, group = scale_mode(spec)
     cfg = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, call.zp_t is not None,
                     call.zp_t or "int", call.has_gs, call.has_bias, -(-m // 8), stages, warps, spec.tiled,
-                    cluster=split if split > 1 else 1, pdl=pdl, xf16=call.xf16, grouped=True, kw=kw, rt=rt)
+                    cluster=split if split > 1 else 1, pdl=pdl, xf16=call.xf16, grouped=True, kw=kw, rt=rt,
+                    gact=gact)
     return MmaLaunch(cfg, -(-(n // 16) // cfg.tiles), split, cps, smem_bytes(m, cps, cfg))
 
 

@@ -408,15 +408,17 @@ def test_mma_rule_by_rows_per_active_expert(monkeypatch):
 
 def test_tune_call_descends_the_grouped_mma_launches(on_gpu_tables, monkeypatch):
     """Where wo_mma's grouped build has a launch, the descent also starts from its rule ({"block_m": 8}) and
-    walks block_m, then each GEMM's warps and split; the fastest (here a made-up cost preferring block_m 16,
-    GEMM 1 split 2 and GEMM 2 warps 16) is stored and plan() returns it as the call's mma launch."""
+    walks block_m, then each GEMM's warps and split, then whether GEMM 1 fuses the activation; the fastest (here a
+    made-up cost preferring block_m 16, GEMM 1 split 2 without the activation, GEMM 2 warps 16) is stored and plan()
+    returns it as the call's mma launch."""
     wo_tune = on_gpu_tables
 
     def cost(c):
         if c.route != "mma":
             return 50.0
         g1, g2 = c.launch.get("gemm1", {}), c.launch.get("gemm2", {})
-        return 10.0 + (c.launch["block_m"] != 16) + (g1.get("split") != 2) + (g2.get("warps") != 16)
+        return 10.0 + (c.launch["block_m"] != 16) + (g1.get("split") != 2) + (g2.get("warps") != 16) + \
+            (g1.get("act") is not False)
 
     monkeypatch.setattr(wo_tune, "measure", lambda choices, run, reps=20: {c: cost(c) for c in choices})
     monkeypatch.setattr(wo_tune, "can_measure", lambda x: True)
@@ -428,7 +430,9 @@ def test_tune_call_descends_the_grouped_mma_launches(on_gpu_tables, monkeypatch)
     finally:
         wo_tune.tune(False)
     assert configs is None and rows == mw.NO_DEQUANT
-    assert mma == {"block_m": 16, "gemm1": {"split": 2}, "gemm2": {"warps": 16}}, mma  # (ties keep the current)
+    # (ties keep the current)
+    assert mma == {"block_m": 16, "gemm1": {"split": 2, "act": False}, "gemm2": {"warps": 16}}, mma
+    assert mw._mma_choice(mma) and not mw._mma_choice({"block_m": 8, "gemm1": {"kw": True}})
 
 
 # -- the Triton kernels under the interpreter (subprocess: TRITON_INTERPRET is read at import) --------
@@ -769,6 +773,40 @@ def test_gpu_grouped_mma_shared_tiles_match_reference(fmt):
             out = mw.wo_moe_triton(args["hidden_states"], args["top_k_index"], args["top_k_weights"], w13, w2, *b,
                                    args["activation"], s, False, mma=mma)
             check_gpu(out, args, f"T={t} {mma}")
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4_g128", "nvfp4"])
+def test_gpu_fused_activation_matches_separate_launch(fmt, monkeypatch):
+    """wo_mma's grouped build with the gated activation fused into GEMM 1 (each gated activation; GEMM 1 with and
+    without a split in a cluster, and with warps sharing tiles; one token and five, a foreign expert id among the
+    pairs): the launch is the fused one, and the output matches experts_ref and the same launches with the
+    activation in a separate kernel (QCOMPILE_MOE_FUSE=0, or the choice's "act": False) within bf16 rounding."""
+    shape = GPU_SHAPES["e32-h1024-i768-k4"]
+    s = QuantScheme(dataclasses.replace(FORMATS[fmt], tiled=True))
+    acts = ("silu", "gelu_tanh", "gelu", "swigluoai:1.702:7.0")
+    for seed, (t, act, g1) in enumerate(itertools.product((1, 5), acts, ({"split": 1}, {"split": 2},
+                                                                         {"warps": 8, "kw": 2, "rt": 2}))):
+        args = gpu_moe(fmt, t, shape, activation=act, seed=seed, bias=seed % 2 == 0)
+        args["top_k_index"][0, 1] = -1  # another rank's expert
+        x, ids, b = args["hidden_states"], args["top_k_index"], (args["w13_bias"], args["w2_bias"])
+        w13, w2 = (tuple(quant_math.tile_weight(v.reshape(-1, v.shape[-1]), s.weight).reshape(v.shape)
+                         if r == "weight" else v for r, v in ((r, args[f"{p}_{r}"]) for r in W_ROLES))
+                   for p in ("w13", "w2"))
+        outs = {}
+        for fuse, choice in (("1", {}), ("0", {}), ("1", {"act": False})):
+            monkeypatch.setenv("QCOMPILE_MOE_FUSE", fuse)
+            mma = {"block_m": 8, "gemm1": g1 | choice}
+            l1, _ = mw._mma_launches(x, w13, w2, *b, s, shape[2], mma, ids.numel(), act)
+            fused = fuse == "1" and not choice
+            assert l1.cfg.gact == (mw.ACT_CODES[act.split(":")[0]] if fused else 0)
+            assert l1.split == g1.get("split", l1.split)
+            outs[fused] = mw.wo_moe_triton(x, ids, args["top_k_weights"], w13, w2, *b, act, s, False, mma=mma)
+        tag = f"T={t} {act} {g1}"
+        check_gpu(outs[True], args, tag)
+        err = float((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm())
+        assert err < 4e-3, (tag, err)
     torch.cuda.empty_cache()
 
 

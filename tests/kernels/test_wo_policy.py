@@ -138,8 +138,9 @@ _CFG_TEXT: dict = {}
 
 def cfg_text(cfg) -> str:
     if cfg not in _CFG_TEXT:
-        # (the dense op's launches: the MoE experts' grouped build is never among them)
-        _CFG_TEXT[cfg] = ",".join(str(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "grouped")
+        # (the dense op's launches: the MoE experts' grouped build and its fused activation are never among them)
+        _CFG_TEXT[cfg] = ",".join(str(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                                  if f.name not in ("grouped", "gact"))
     return _CFG_TEXT[cfg]
 
 
@@ -401,3 +402,20 @@ def test_grouped_launch_fills_the_gpu_in_a_cluster(name):
     for n, k in ((1536, 2048), (28672, 4096)):
         assert wo_policy.grouped_launch(sm80, wo_policy.Call(spec, 8, n, k), 8, False).split == 1
     assert wo_policy.grouped_launch(sm80, wo_policy.Call(spec, 8, 4096, 14336 * 4), 2, False) is None
+
+
+@pytest.mark.parametrize("name", ["int4_g128", "nvfp4"])
+def test_grouped_launch_fused_epilogues(name):
+    """The fused gated activation: the same CTAs and split as the plain launch (a CTA's gate tiles and the
+    matching up tiles), its outputs through shared memory even without a split; refused where the tile groups are
+    odd (4 warps in tiles of 4) or N / 2 is not a multiple of 16."""
+    spec = SPECS[name]
+    gpu = FakeGpu((9, 0), 132)
+    for n, k, active, fixed in ((1536, 2048, 8, {}), (28672, 4096, 2, {}), (1536, 2048, 8, {"split": 1}),
+                                (1536, 2048, 8, {"warps": 8, "kw": 2, "rt": 2})):
+        plain = wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, n, k), active, True, **fixed)
+        fused = wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, n, k), active, True, **fixed, gact=1)
+        assert fused.cfg == replace(plain.cfg, gact=1) and (fused.cols, fused.split) == (plain.cols, plain.split)
+        assert fused.smem >= 8 * fused.cfg.tiles * 16 * 4 and fused.smem >= plain.smem
+    assert wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, 1536, 2048), 8, True, warps=4, kw=4, gact=1) is None
+    assert wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, 1552, 2048), 8, True, gact=1) is None
