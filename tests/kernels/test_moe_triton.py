@@ -272,6 +272,17 @@ def test_partial_last_group_quantized_by_the_separate_kernel():
 
 # -- launch configurations -------------------------------------------------------------------------
 
+def test_tuned_table_entries_are_valid():
+    """Every shipped entry reads back as a MoeConfig that normalize_config leaves as it is for its scheme kind."""
+    kinds = {"fp8": "fp8_channel_token", "fp8_block": "fp8_block_group", "int8": "int8_channel_token"}
+    for arch, entries in mc.TUNED.items():
+        for key, d in entries.items():
+            cfg = mc.MoeConfig.from_dict(d)
+            q = mc.moe_quant(SCHEMES[kinds[key.split("/")[0]]])
+            assert mc.normalize_config(cfg, q, not key.endswith("/nogate")) == cfg, (arch, key)
+            assert cfg.to_dict() == d
+
+
 @pytest.mark.parametrize("name", ["fp8_tensor_static", "fp8_block_group", "fp8_tensor_dyntensor", "int8_channel_token"])
 def test_default_configs_are_valid(name):
     q = mt.moe_quant(SCHEMES[name])
@@ -604,8 +615,10 @@ def test_gpu_launch_configurations(cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,shape", [("mixtral", (8, 4096, 14336, 2)), ("qwen3-30b-a3b", (128, 2048, 768, 8))])
 def test_gpu_model_shapes(model, shape):
-    for name in ("fp8_channel_token", "fp8_block_group"):
-        for t in (1, 4, 64):
+    """Mixtral- and Qwen3-30B-A3B-shaped experts on the launches a model gets: the shipped sm_90 table's entries at
+    decode token counts (per-pair programs), the rule above."""
+    for name in ("fp8_channel_token", "fp8_block_group", "fp8_tensor_static", "int8_channel_token"):
+        for t in (1, 2, 4, 8, 16, 64):
             args = gpu_inputs(name, t, shape, seed=t)
             check_gpu(mt.fused_moe(**args), args, f"{model} {name} T={t}")
         torch.cuda.empty_cache()
