@@ -14,6 +14,7 @@ from torch import nn
 import qcompile
 from qcompile import synth
 from qcompile.kv_cache import cache_kwargs
+from tests.passes.graph_util import renumbered
 
 # fp32 on CPU: the grouped attention and the repeated one differ by summation order only: up to 3e-6 on the
 # tiny Llama's logits (|logits| < 5) after 3 steps, 2e-7 on the hand-written attention
@@ -70,21 +71,9 @@ def _statements(code: str) -> dict[str, str]:
 
 def _readable(lines: list[str]) -> list[str]:
     """``lines`` with Dynamo's names of the cache (l_kw_cache_layers_0_keys: the cache reached through ``kw``, under
-    the keyword of the transformers version) as paths, and the counters FX appends to a name (getitem_9, reshape_4:
-    they count the nodes of that name before, which differ between transformers versions) counted again from 0 in
-    the order the names appear here."""
-    seen: dict[str, str] = {}
-    per_base: dict[str, int] = {}
-
-    def recount(m: re.Match) -> str:
-        if m.group(0) not in seen:
-            n = per_base[m.group(1)] = per_base.get(m.group(1), -1) + 1
-            seen[m.group(0)] = m.group(1) + (f"_{n}" if n else "")
-        return seen[m.group(0)]
-
+    the keyword of the transformers version) as paths, and the other names :func:`renumbered`."""
     cache = r"\bl_kw_(?:cache|past_key_values)_layers_(\d+)_(keys|values)\b"
-    lines = [re.sub(cache, r"cache.layers.\1.\2", x) for x in lines]
-    return [re.sub(r"\b([A-Za-z_]\w*?)(?:_\d+)?\b", recount, x) for x in lines]
+    return renumbered([re.sub(cache, r"cache.layers.\1.\2", x) for x in lines])
 
 
 def graph_diff(before: str, after: str) -> str:
@@ -187,9 +176,9 @@ def test_llama_decode_graph(llama):
 -hidden_states_1 = getitem_1.expand(1, 2, 2, 8, 16)
 -value = hidden_states_1.reshape(1, 4, 8, 16)
 -attn_output = torch._C._nn.scaled_dot_product_attention(q_embed, key, value, attn_mask = attention_mask, dropout_p = 0.0, scale = 0.25, is_causal = False)
-+reshape_1 = q_embed.reshape(1, 2, 2, 16)
-+decode_attention_default = torch.ops.qcompile.decode_attention.default(reshape_1, cache.layers.0.keys, cache.layers.0.values, attention_mask, 0.25)
-+reshape_2 = decode_attention_default.reshape(1, 4, 1, 16)""")
++reshape = q_embed.reshape(1, 2, 2, 16)
++decode_attention_default = torch.ops.qcompile.decode_attention.default(reshape, cache.layers.0.keys, cache.layers.0.values, attention_mask, 0.25)
++reshape_1 = decode_attention_default.reshape(1, 4, 1, 16)""")
     # the attention output's one user (a reshape or a transpose, by transformers version) reads the new output
     assert len(rewired(before, after)) == 1
 
