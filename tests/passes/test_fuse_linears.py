@@ -54,30 +54,30 @@ def test_modelopt_fp8_per_tensor_requantizes_to_the_largest_scale(testdata):
     requantized_like_fused(expected)
     model, want, out, diff, be = fused_diff(testdata, "modelopt-fp8-dense")
     assert_expected_inline(diff, """\
--linear_ref = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, None, None, model.layers.0.self_attn.q_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
--linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, None, None, None, model.layers.0.self_attn.k_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
--linear_ref_2 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.v_proj.weight, model.layers.0.self_attn.v_proj.weight_scale, None, None, None, model.layers.0.self_attn.v_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
--attn_output_4 = torch.ops.qcompile.linear_ref(attn_output_3, model.layers.0.self_attn.o_proj.weight, model.layers.0.self_attn.o_proj.weight_scale, None, None, None, model.layers.0.self_attn.o_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
--linear_ref_4 = torch.ops.qcompile.linear_ref(hidden_states_6, model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.gate_proj.weight_scale, None, None, None, model.layers.0.mlp.gate_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
--linear_ref_5 = torch.ops.qcompile.linear_ref(hidden_states_6, model.layers.0.mlp.up_proj.weight, model.layers.0.mlp.up_proj.weight_scale, None, None, None, model.layers.0.mlp.up_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
--down_proj = torch.ops.qcompile.linear_ref(mul_11, model.layers.0.mlp.down_proj.weight, model.layers.0.mlp.down_proj.weight_scale, None, None, None, model.layers.0.mlp.down_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
+-linear_ref = torch.ops.qcompile.linear_ref(hidden_states, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, None, None, model.layers.0.self_attn.q_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
+-linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, None, None, None, model.layers.0.self_attn.k_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
+-linear_ref_2 = torch.ops.qcompile.linear_ref(hidden_states, model.layers.0.self_attn.v_proj.weight, model.layers.0.self_attn.v_proj.weight_scale, None, None, None, model.layers.0.self_attn.v_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
+-attn_output = torch.ops.qcompile.linear_ref(attn_output_1, model.layers.0.self_attn.o_proj.weight, model.layers.0.self_attn.o_proj.weight_scale, None, None, None, model.layers.0.self_attn.o_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
+-linear_ref_3 = torch.ops.qcompile.linear_ref(hidden_states_1, model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.gate_proj.weight_scale, None, None, None, model.layers.0.mlp.gate_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
+-linear_ref_4 = torch.ops.qcompile.linear_ref(hidden_states_1, model.layers.0.mlp.up_proj.weight, model.layers.0.mlp.up_proj.weight_scale, None, None, None, model.layers.0.mlp.up_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
+-down_proj = torch.ops.qcompile.linear_ref(mul, model.layers.0.mlp.down_proj.weight, model.layers.0.mlp.down_proj.weight_scale, None, None, None, model.layers.0.mlp.down_proj.input_scale, None, None, 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor')
 +_qcompile_fused0_weight = self._qcompile_fused0_weight
 +_qcompile_fused0_weight_scale = self._qcompile_fused0_weight_scale
 +_qcompile_fused0_input_scale = self._qcompile_fused0_input_scale
-+fp8_linear_default = torch.ops.qcompile.fp8_linear.default(x = hidden_states_2, weight = _qcompile_fused0_weight, weight_scale = _qcompile_fused0_weight_scale, input_scale = _qcompile_fused0_input_scale, bias = None, scheme = 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor', backend = 'emulated')
++fp8_linear_default = torch.ops.qcompile.fp8_linear.default(x = hidden_states, weight = _qcompile_fused0_weight, weight_scale = _qcompile_fused0_weight_scale, input_scale = _qcompile_fused0_input_scale, bias = None, scheme = 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor', backend = 'emulated')
 +split_with_sizes_default = torch.ops.aten.split_with_sizes.default(fp8_linear_default, [256, 128, 128], -1)
-+getitem_10 = split_with_sizes_default[0]
-+getitem_11 = split_with_sizes_default[1]
-+getitem_12 = split_with_sizes_default[2]
-+fp8_linear_default_1 = torch.ops.qcompile.fp8_linear.default(x = attn_output_3, weight = model.layers.0.self_attn.o_proj.weight, weight_scale = model.layers.0.self_attn.o_proj.weight_scale, input_scale = model.layers.0.self_attn.o_proj.input_scale, bias = None, scheme = 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor', backend = 'emulated')
++getitem = split_with_sizes_default[0]
++getitem_1 = split_with_sizes_default[1]
++getitem_2 = split_with_sizes_default[2]
++fp8_linear_default_1 = torch.ops.qcompile.fp8_linear.default(x = attn_output_1, weight = model.layers.0.self_attn.o_proj.weight, weight_scale = model.layers.0.self_attn.o_proj.weight_scale, input_scale = model.layers.0.self_attn.o_proj.input_scale, bias = None, scheme = 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor', backend = 'emulated')
 +_qcompile_fused1_weight = self._qcompile_fused1_weight
 +_qcompile_fused1_weight_scale = self._qcompile_fused1_weight_scale
 +_qcompile_fused1_input_scale = self._qcompile_fused1_input_scale
-+fp8_linear_default_2 = torch.ops.qcompile.fp8_linear.default(x = hidden_states_6, weight = _qcompile_fused1_weight, weight_scale = _qcompile_fused1_weight_scale, input_scale = _qcompile_fused1_input_scale, bias = None, scheme = 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor', backend = 'emulated')
++fp8_linear_default_2 = torch.ops.qcompile.fp8_linear.default(x = hidden_states_1, weight = _qcompile_fused1_weight, weight_scale = _qcompile_fused1_weight_scale, input_scale = _qcompile_fused1_input_scale, bias = None, scheme = 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor', backend = 'emulated')
 +split_with_sizes_default_1 = torch.ops.aten.split_with_sizes.default(fp8_linear_default_2, [512, 512], -1)
-+getitem_13 = split_with_sizes_default_1[0]
-+getitem_14 = split_with_sizes_default_1[1]
-+fp8_linear_default_3 = torch.ops.qcompile.fp8_linear.default(x = mul_11, weight = model.layers.0.mlp.down_proj.weight, weight_scale = model.layers.0.mlp.down_proj.weight_scale, input_scale = model.layers.0.mlp.down_proj.input_scale, bias = None, scheme = 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor', backend = 'emulated')""")
++getitem_3 = split_with_sizes_default_1[0]
++getitem_4 = split_with_sizes_default_1[1]
++fp8_linear_default_3 = torch.ops.qcompile.fp8_linear.default(x = mul, weight = model.layers.0.mlp.down_proj.weight, weight_scale = model.layers.0.mlp.down_proj.weight_scale, input_scale = model.layers.0.mlp.down_proj.input_scale, bias = None, scheme = 'w=fp8_e4m3/tensor;a=fp8_e4m3/static/tensor', backend = 'emulated')""")
     with torch.no_grad():
         assert rel(out, expected(IDS).logits) < 1e-3
         assert torch.equal(model(IDS).logits, expected(IDS).logits)
@@ -106,56 +106,56 @@ def requantized_like_fused(model):
 def test_compressed_tensors_fp8_channel(testdata):
     _, want, out, diff, _ = fused_diff(testdata, "llmcompressor-fp8-dynamic-dense")
     assert_expected_inline(diff, """\
--linear_ref = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
--linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
--linear_ref_2 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.v_proj.weight, model.layers.0.self_attn.v_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
--attn_output_4 = torch.ops.qcompile.linear_ref(attn_output_3, model.layers.0.self_attn.o_proj.weight, model.layers.0.self_attn.o_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
--linear_ref_4 = torch.ops.qcompile.linear_ref(hidden_states_6, model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.gate_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
--linear_ref_5 = torch.ops.qcompile.linear_ref(hidden_states_6, model.layers.0.mlp.up_proj.weight, model.layers.0.mlp.up_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
--down_proj = torch.ops.qcompile.linear_ref(mul_11, model.layers.0.mlp.down_proj.weight, model.layers.0.mlp.down_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
+-linear_ref = torch.ops.qcompile.linear_ref(hidden_states, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
+-linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
+-linear_ref_2 = torch.ops.qcompile.linear_ref(hidden_states, model.layers.0.self_attn.v_proj.weight, model.layers.0.self_attn.v_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
+-attn_output = torch.ops.qcompile.linear_ref(attn_output_1, model.layers.0.self_attn.o_proj.weight, model.layers.0.self_attn.o_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
+-linear_ref_3 = torch.ops.qcompile.linear_ref(hidden_states_1, model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.gate_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
+-linear_ref_4 = torch.ops.qcompile.linear_ref(hidden_states_1, model.layers.0.mlp.up_proj.weight, model.layers.0.mlp.up_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
+-down_proj = torch.ops.qcompile.linear_ref(mul, model.layers.0.mlp.down_proj.weight, model.layers.0.mlp.down_proj.weight_scale, None, None, None, None, None, None, 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token')
 +_qcompile_fused0_weight = self._qcompile_fused0_weight
 +_qcompile_fused0_weight_scale = self._qcompile_fused0_weight_scale
-+fp8_linear_default = torch.ops.qcompile.fp8_linear.default(x = hidden_states_2, weight = _qcompile_fused0_weight, weight_scale = _qcompile_fused0_weight_scale, input_scale = None, bias = None, scheme = 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token', backend = 'emulated')
++fp8_linear_default = torch.ops.qcompile.fp8_linear.default(x = hidden_states, weight = _qcompile_fused0_weight, weight_scale = _qcompile_fused0_weight_scale, input_scale = None, bias = None, scheme = 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token', backend = 'emulated')
 +split_with_sizes_default = torch.ops.aten.split_with_sizes.default(fp8_linear_default, [256, 128, 128], -1)
-+getitem_10 = split_with_sizes_default[0]
-+getitem_11 = split_with_sizes_default[1]
-+getitem_12 = split_with_sizes_default[2]
-+fp8_linear_default_1 = torch.ops.qcompile.fp8_linear.default(x = attn_output_3, weight = model.layers.0.self_attn.o_proj.weight, weight_scale = model.layers.0.self_attn.o_proj.weight_scale, input_scale = None, bias = None, scheme = 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token', backend = 'emulated')
++getitem = split_with_sizes_default[0]
++getitem_1 = split_with_sizes_default[1]
++getitem_2 = split_with_sizes_default[2]
++fp8_linear_default_1 = torch.ops.qcompile.fp8_linear.default(x = attn_output_1, weight = model.layers.0.self_attn.o_proj.weight, weight_scale = model.layers.0.self_attn.o_proj.weight_scale, input_scale = None, bias = None, scheme = 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token', backend = 'emulated')
 +_qcompile_fused1_weight = self._qcompile_fused1_weight
 +_qcompile_fused1_weight_scale = self._qcompile_fused1_weight_scale
-+fp8_linear_default_2 = torch.ops.qcompile.fp8_linear.default(x = hidden_states_6, weight = _qcompile_fused1_weight, weight_scale = _qcompile_fused1_weight_scale, input_scale = None, bias = None, scheme = 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token', backend = 'emulated')
++fp8_linear_default_2 = torch.ops.qcompile.fp8_linear.default(x = hidden_states_1, weight = _qcompile_fused1_weight, weight_scale = _qcompile_fused1_weight_scale, input_scale = None, bias = None, scheme = 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token', backend = 'emulated')
 +split_with_sizes_default_1 = torch.ops.aten.split_with_sizes.default(fp8_linear_default_2, [512, 512], -1)
-+getitem_13 = split_with_sizes_default_1[0]
-+getitem_14 = split_with_sizes_default_1[1]
-+fp8_linear_default_3 = torch.ops.qcompile.fp8_linear.default(x = mul_11, weight = model.layers.0.mlp.down_proj.weight, weight_scale = model.layers.0.mlp.down_proj.weight_scale, input_scale = None, bias = None, scheme = 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token', backend = 'emulated')""")
++getitem_3 = split_with_sizes_default_1[0]
++getitem_4 = split_with_sizes_default_1[1]
++fp8_linear_default_3 = torch.ops.qcompile.fp8_linear.default(x = mul, weight = model.layers.0.mlp.down_proj.weight, weight_scale = model.layers.0.mlp.down_proj.weight_scale, input_scale = None, bias = None, scheme = 'w=fp8_e4m3/channel;a=fp8_e4m3/dynamic/token', backend = 'emulated')""")
     assert rel(out, want) < 1e-3  # the per-channel scales concatenate: nothing requantized
 
 
 def test_compressed_tensors_w4a16_group(testdata):
     model, _, out, diff, be = fused_diff(testdata, "llmcompressor-w4a16-gptq-dense")
     assert_expected_inline(diff, """\
--linear_ref = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
--linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
--linear_ref_2 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.v_proj.weight, model.layers.0.self_attn.v_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
--attn_output_4 = torch.ops.qcompile.linear_ref(attn_output_3, model.layers.0.self_attn.o_proj.weight, model.layers.0.self_attn.o_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
--linear_ref_4 = torch.ops.qcompile.linear_ref(hidden_states_6, model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.gate_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
--linear_ref_5 = torch.ops.qcompile.linear_ref(hidden_states_6, model.layers.0.mlp.up_proj.weight, model.layers.0.mlp.up_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
--down_proj = torch.ops.qcompile.linear_ref(mul_11, model.layers.0.mlp.down_proj.weight, model.layers.0.mlp.down_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-linear_ref = torch.ops.qcompile.linear_ref(hidden_states, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-linear_ref_2 = torch.ops.qcompile.linear_ref(hidden_states, model.layers.0.self_attn.v_proj.weight, model.layers.0.self_attn.v_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-attn_output = torch.ops.qcompile.linear_ref(attn_output_1, model.layers.0.self_attn.o_proj.weight, model.layers.0.self_attn.o_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-linear_ref_3 = torch.ops.qcompile.linear_ref(hidden_states_1, model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.gate_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-linear_ref_4 = torch.ops.qcompile.linear_ref(hidden_states_1, model.layers.0.mlp.up_proj.weight, model.layers.0.mlp.up_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
+-down_proj = torch.ops.qcompile.linear_ref(mul, model.layers.0.mlp.down_proj.weight, model.layers.0.mlp.down_proj.weight_scale, None, None, None, None, None, None, 'w=int4/group128/pack=int32;a=none')
 +_qcompile_fused0_weight = self._qcompile_fused0_weight
 +_qcompile_fused0_weight_scale = self._qcompile_fused0_weight_scale
-+wo_linear_default = torch.ops.qcompile.wo_linear.default(x = hidden_states_2, weight = _qcompile_fused0_weight, weight_scale = _qcompile_fused0_weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
++wo_linear_default = torch.ops.qcompile.wo_linear.default(x = hidden_states, weight = _qcompile_fused0_weight, weight_scale = _qcompile_fused0_weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
 +split_with_sizes_default = torch.ops.aten.split_with_sizes.default(wo_linear_default, [256, 128, 128], -1)
-+getitem_10 = split_with_sizes_default[0]
-+getitem_11 = split_with_sizes_default[1]
-+getitem_12 = split_with_sizes_default[2]
-+wo_linear_default_1 = torch.ops.qcompile.wo_linear.default(x = attn_output_3, weight = model.layers.0.self_attn.o_proj.weight, weight_scale = model.layers.0.self_attn.o_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
++getitem = split_with_sizes_default[0]
++getitem_1 = split_with_sizes_default[1]
++getitem_2 = split_with_sizes_default[2]
++wo_linear_default_1 = torch.ops.qcompile.wo_linear.default(x = attn_output_1, weight = model.layers.0.self_attn.o_proj.weight, weight_scale = model.layers.0.self_attn.o_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
 +_qcompile_fused1_weight = self._qcompile_fused1_weight
 +_qcompile_fused1_weight_scale = self._qcompile_fused1_weight_scale
-+wo_linear_default_2 = torch.ops.qcompile.wo_linear.default(x = hidden_states_6, weight = _qcompile_fused1_weight, weight_scale = _qcompile_fused1_weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
++wo_linear_default_2 = torch.ops.qcompile.wo_linear.default(x = hidden_states_1, weight = _qcompile_fused1_weight, weight_scale = _qcompile_fused1_weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')
 +split_with_sizes_default_1 = torch.ops.aten.split_with_sizes.default(wo_linear_default_2, [512, 512], -1)
-+getitem_13 = split_with_sizes_default_1[0]
-+getitem_14 = split_with_sizes_default_1[1]
-+wo_linear_default_3 = torch.ops.qcompile.wo_linear.default(x = mul_11, weight = model.layers.0.mlp.down_proj.weight, weight_scale = model.layers.0.mlp.down_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')""")
++getitem_3 = split_with_sizes_default_1[0]
++getitem_4 = split_with_sizes_default_1[1]
++wo_linear_default_3 = torch.ops.qcompile.wo_linear.default(x = mul, weight = model.layers.0.mlp.down_proj.weight, weight_scale = model.layers.0.mlp.down_proj.weight_scale, weight_global_scale = None, weight_zero_point = None, weight_g_idx = None, bias = None, scheme = 'w=int4/group128/pack=int32;a=none', backend = 'dequant')""")
     assert {r.kernel for r in be.rows} == {"wo_dequant"}  # the weight-only op takes the fused N
     with torch.no_grad():
         assert rel(out, dequantize_model(copy.deepcopy(model))(IDS).logits) < 1e-2
@@ -165,28 +165,28 @@ def test_nvfp4_shares_its_global_scales(testdata):
     """Both NVFP4 producers give the fused shards one global weight and input scale: fused exactly."""
     _, want, out, diff, be = fused_diff(testdata, "modelopt-nvfp4-dense")
     assert_expected_inline(diff, """\
--linear_ref = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, model.layers.0.self_attn.q_proj.weight_global_scale, None, None, None, model.layers.0.self_attn.q_proj.input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
--linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, model.layers.0.self_attn.k_proj.weight_global_scale, None, None, None, model.layers.0.self_attn.k_proj.input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
--linear_ref_2 = torch.ops.qcompile.linear_ref(hidden_states_2, model.layers.0.self_attn.v_proj.weight, model.layers.0.self_attn.v_proj.weight_scale, model.layers.0.self_attn.v_proj.weight_global_scale, None, None, None, model.layers.0.self_attn.v_proj.input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
--linear_ref_4 = torch.ops.qcompile.linear_ref(hidden_states_6, model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.gate_proj.weight_scale, model.layers.0.mlp.gate_proj.weight_global_scale, None, None, None, model.layers.0.mlp.gate_proj.input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
--linear_ref_5 = torch.ops.qcompile.linear_ref(hidden_states_6, model.layers.0.mlp.up_proj.weight, model.layers.0.mlp.up_proj.weight_scale, model.layers.0.mlp.up_proj.weight_global_scale, None, None, None, model.layers.0.mlp.up_proj.input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
+-linear_ref = torch.ops.qcompile.linear_ref(hidden_states, model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.q_proj.weight_scale, model.layers.0.self_attn.q_proj.weight_global_scale, None, None, None, model.layers.0.self_attn.q_proj.input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
+-linear_ref_1 = torch.ops.qcompile.linear_ref(hidden_states, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.k_proj.weight_scale, model.layers.0.self_attn.k_proj.weight_global_scale, None, None, None, model.layers.0.self_attn.k_proj.input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
+-linear_ref_2 = torch.ops.qcompile.linear_ref(hidden_states, model.layers.0.self_attn.v_proj.weight, model.layers.0.self_attn.v_proj.weight_scale, model.layers.0.self_attn.v_proj.weight_global_scale, None, None, None, model.layers.0.self_attn.v_proj.input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
+-linear_ref_3 = torch.ops.qcompile.linear_ref(hidden_states_1, model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.gate_proj.weight_scale, model.layers.0.mlp.gate_proj.weight_global_scale, None, None, None, model.layers.0.mlp.gate_proj.input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
+-linear_ref_4 = torch.ops.qcompile.linear_ref(hidden_states_1, model.layers.0.mlp.up_proj.weight, model.layers.0.mlp.up_proj.weight_scale, model.layers.0.mlp.up_proj.weight_global_scale, None, None, None, model.layers.0.mlp.up_proj.input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
 +_qcompile_fused0_weight = self._qcompile_fused0_weight
 +_qcompile_fused0_weight_scale = self._qcompile_fused0_weight_scale
 +_qcompile_fused0_weight_global_scale = self._qcompile_fused0_weight_global_scale
 +_qcompile_fused0_input_global_scale = self._qcompile_fused0_input_global_scale
-+linear_ref_default = torch.ops.qcompile.linear_ref.default(hidden_states_2, _qcompile_fused0_weight, _qcompile_fused0_weight_scale, _qcompile_fused0_weight_global_scale, None, None, None, _qcompile_fused0_input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
++linear_ref_default = torch.ops.qcompile.linear_ref.default(hidden_states, _qcompile_fused0_weight, _qcompile_fused0_weight_scale, _qcompile_fused0_weight_global_scale, None, None, None, _qcompile_fused0_input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
 +split_with_sizes_default = torch.ops.aten.split_with_sizes.default(linear_ref_default, [256, 128, 128], -1)
-+getitem_10 = split_with_sizes_default[0]
-+getitem_11 = split_with_sizes_default[1]
-+getitem_12 = split_with_sizes_default[2]
++getitem = split_with_sizes_default[0]
++getitem_1 = split_with_sizes_default[1]
++getitem_2 = split_with_sizes_default[2]
 +_qcompile_fused1_weight = self._qcompile_fused1_weight
 +_qcompile_fused1_weight_scale = self._qcompile_fused1_weight_scale
 +_qcompile_fused1_weight_global_scale = self._qcompile_fused1_weight_global_scale
 +_qcompile_fused1_input_global_scale = self._qcompile_fused1_input_global_scale
-+linear_ref_default_1 = torch.ops.qcompile.linear_ref.default(hidden_states_6, _qcompile_fused1_weight, _qcompile_fused1_weight_scale, _qcompile_fused1_weight_global_scale, None, None, None, _qcompile_fused1_input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
++linear_ref_default_1 = torch.ops.qcompile.linear_ref.default(hidden_states_1, _qcompile_fused1_weight, _qcompile_fused1_weight_scale, _qcompile_fused1_weight_global_scale, None, None, None, _qcompile_fused1_input_global_scale, None, 'w=fp4_e2m1/group16:fp8_e4m3/pack=uint8/global;a=fp4_e2m1/dynamic/group16:fp8_e4m3/global')
 +split_with_sizes_default_1 = torch.ops.aten.split_with_sizes.default(linear_ref_default_1, [512, 512], -1)
-+getitem_13 = split_with_sizes_default_1[0]
-+getitem_14 = split_with_sizes_default_1[1]""")
++getitem_3 = split_with_sizes_default_1[0]
++getitem_4 = split_with_sizes_default_1[1]""")
     assert {r.kernel for r in be.rows} == {"reference"}  # off CUDA: the faithful reference
     assert rel(out, want) < 1e-3
 
