@@ -12,6 +12,7 @@ from expecttest import assert_expected_inline
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import qcompile
+from tests.passes.graph_util import renumbered
 
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64]])
 # One Qwen3-MoE layer: 4 experts, top-2, hidden 128, experts' intermediate 128.
@@ -42,7 +43,8 @@ def checkpoint(tmp_path_factory):
 
 
 def _compile(path, implementation: str, dtype=torch.bfloat16, online="fp8_per_tensor"):
-    """(region statements before, after, output, backend) of the bf16 model compiled with online FP8."""
+    """(region statements before, after, output, backend) of the bf16 model compiled with online FP8, names
+    renumbered (:func:`renumbered`) over both."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     model.set_experts_implementation(implementation)
     graphs = []
@@ -52,7 +54,9 @@ def _compile(path, implementation: str, dtype=torch.bfloat16, online="fp8_per_te
     with torch.no_grad():
         out = torch.compile(model, backend=be)(IDS).logits
     assert len(graphs) == 1
-    return "\n".join(_region_lines(graphs[0][0])), "\n".join(_region_lines(graphs[0][1])), out, be
+    before, after = _region_lines(graphs[0][0]), _region_lines(graphs[0][1])
+    lines = renumbered(before + after)
+    return "\n".join(lines[:len(before)]), "\n".join(lines[len(before):]), out, be
 
 
 def _load_time(path, dtype=torch.bfloat16, online="fp8_per_tensor"):
@@ -63,11 +67,11 @@ def _load_time(path, dtype=torch.bfloat16, online="fp8_per_tensor"):
 def test_grouped_mm_region(checkpoint):
     before, after, out, be = _compile(checkpoint, "grouped_mm")
     assert_expected_inline(before, """\
-out = torch._grouped_mm(to_12, transpose_4, offs = offsets, bias = None, out_dtype = None)
-out_1 = torch._grouped_mm(to_13, transpose_5, offs = offsets, bias = None, out_dtype = None)""")
+out = torch._grouped_mm(to, transpose, offs = offsets, bias = None, out_dtype = None)
+out_1 = torch._grouped_mm(to_1, transpose_1, offs = offsets, bias = None, out_dtype = None)""")
     assert_expected_inline(after, """\
-experts_ref_default = torch.ops.qcompile.experts_ref.default(hidden_states_reshaped, router_indices, router_top_value_1, _qcompile_online_experts0_w13_weight, _qcompile_online_experts0_w13_weight_scale, None, None, None, None, None, _qcompile_online_experts0_w2_weight, _qcompile_online_experts0_w2_weight_scale, None, None, None, None, None, None, None, 'silu', 'w=fp8_e4m3/tensor;a=fp8_e4m3/dynamic/tensor')
-hidden_states_12 = experts_ref_default.reshape(1, 8, 128)""")
+experts_ref_default = torch.ops.qcompile.experts_ref.default(hidden_states_reshaped, router_indices, router_top_value, _qcompile_online_experts0_w13_weight, _qcompile_online_experts0_w13_weight_scale, None, None, None, None, None, _qcompile_online_experts0_w2_weight, _qcompile_online_experts0_w2_weight_scale, None, None, None, None, None, None, None, 'silu', 'w=fp8_e4m3/tensor;a=fp8_e4m3/dynamic/tensor')
+hidden_states = experts_ref_default.reshape(1, 8, 128)""")
     assert [r.op for r in be.rows if r.module == "model.layers.0.mlp.experts"] == ["qcompile::experts_ref"]
     assert torch.equal(out, _load_time(checkpoint))
 
@@ -76,11 +80,11 @@ def test_batched_mm_region(checkpoint):
     """What generate switches to for decoding on a GPU."""
     before, after, out, _ = _compile(checkpoint, "batched_mm")
     assert_expected_inline(before, """\
-bmm = torch.bmm(selected_weights, unsqueeze_3)
-bmm_1 = torch.bmm(selected_weights_1, unsqueeze_4)""")
+bmm = torch.bmm(selected_weights, unsqueeze)
+bmm_1 = torch.bmm(selected_weights_1, unsqueeze_1)""")
     assert_expected_inline(after, """\
-experts_ref_default = torch.ops.qcompile.experts_ref.default(hidden_states_reshaped, router_indices, router_top_value_1, _qcompile_online_experts0_w13_weight, _qcompile_online_experts0_w13_weight_scale, None, None, None, None, None, _qcompile_online_experts0_w2_weight, _qcompile_online_experts0_w2_weight_scale, None, None, None, None, None, None, None, 'silu', 'w=fp8_e4m3/tensor;a=fp8_e4m3/dynamic/tensor')
-hidden_states_12 = experts_ref_default.reshape(1, 8, 128)""")
+experts_ref_default = torch.ops.qcompile.experts_ref.default(hidden_states_reshaped, router_indices, router_top_value, _qcompile_online_experts0_w13_weight, _qcompile_online_experts0_w13_weight_scale, None, None, None, None, None, _qcompile_online_experts0_w2_weight, _qcompile_online_experts0_w2_weight_scale, None, None, None, None, None, None, None, 'silu', 'w=fp8_e4m3/tensor;a=fp8_e4m3/dynamic/tensor')
+hidden_states = experts_ref_default.reshape(1, 8, 128)""")
     assert torch.equal(out, _load_time(checkpoint))
 
 
