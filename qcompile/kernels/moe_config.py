@@ -112,8 +112,7 @@ class MoeConfig:
 
 
 _G = GemmConfig
-# Measured winners of :func:`tune` on an H100 (``tune`` per key; against the rule, 10 routings cycled, µs: e.g.
-# Qwen3-30B-A3B FP8 static T=1 26.0 -> 21.9, T=4 61.2 -> 56.8, T=16 154.6 -> 144.9; Mixtral T=1 137.9 -> 125.8).
+# Winners of :func:`tune` on an H100 (their times against the rule's: docs/kernels-moe.md, "Launch configurations").
 _SM90 = {
     "fp8/E128/H2048/I768/k8/T1":
         MoeConfig(16, True, _G(64, 256, 1, 4, 4, True, False), _G(64, 256, 1, 4, 5, True, False), False),
@@ -149,12 +148,11 @@ def config_key(kind: str, e: int, h: int, i: int, k: int, t: int, gated: bool = 
 
 def default_config(q: MoeQuant, e: int, h: int, i: int, k: int, t: int, num_sms: int = 132) -> MoeConfig:
     """The rule without measurements: pairs aligned per expert in 16- to 128-row tiles, activations
-    quantized once by a separate kernel (measured faster than quantizing in every program's prologue,
-    and aligned blocks faster than per-pair programs with a folded top-k sum, at every token count).
-    With 16 / 32 rows (decode) the weights are the MMA's M side, GEMM 1 takes narrower column tiles
+    quantized once by a separate kernel (measured faster than quantizing in every program's prologue).
+    Per-pair decode programs without the sort, which tuning picked in every decode cell it ran on an H100,
+    come from the tables, not from this rule. With 16 / 32 rows (decode) the weights are the MMA's M side, GEMM 1 takes narrower column tiles
     and GEMM 2 a split over K when that leaves SMs idle. Per-step (128-block) scales in 64-row tiles
-    take GEMM 1 tiles of 128 columns (a grid over 64 / 128 rows, 64 / 128 columns per GEMM, 4 / 8 warps
-    and 3 / 4 stages on an H100 had these tiles fastest at every large T it timed)."""
+    take GEMM 1 tiles of 128 columns (the fastest tiles of a grid timed on an H100: docs/benchmarks.md)."""
     p = t * k
     rows = p / max(1, min(e, p))  # rows per active expert
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 else 128
