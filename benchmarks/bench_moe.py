@@ -24,7 +24,8 @@ then counts the mean number of experts touched).
 
 ``--pdl-ab`` times instead three rows (FP8 tensor static, FP8 channel x token, int4 g128 weight-only) with
 qcompile's Triton kernels (the token sort, the MoE GEMMs, activation and top-k sum) launched without and with
-programmatic dependent launch, alternately in one process. ``--tune`` runs
+programmatic dependent launch, alternately in one process; ``--fuse-ab`` the weight-only rows with the gated
+activation in its own launch and fused into ``wo_mma``'s grouped GEMM 1, alternately. ``--tune`` runs
 :func:`qcompile.kernels.moe_config.tune` for every (shape, T, scheme) first (cached on
 disk) and prints the tuned entries in the form of the shipped ``TUNED`` table. ``--dry-run`` runs tiny
 shapes on the CPU (the reference path, or the Triton interpreter under TRITON_INTERPRET=1) with
@@ -109,8 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="instead: FP8 tensor / channel and int4 g128 rows with qcompile's Triton kernels launched "
                         "without and with programmatic dependent launch, alternately (medians of 3 rounds)")
     p.add_argument("--fuse-ab", action="store_true",
-                   help="instead: the weight-only rows with wo_mma's grouped build running the gated activation and "
-                        "one token's top-k sum as separate launches and fused, alternately (medians of 3 rounds)")
+                   help="instead: the weight-only rows with wo_mma's grouped build running the gated activation as "
+                        "a separate launch and fused into GEMM 1, alternately (medians of 3 rounds)")
     return p
 
 
@@ -373,7 +374,7 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
 
 
 PDL_ROWS = ("ours FP8 tensor static", "ours FP8 channel x token", "ours int4 g128 weight-only")
-AB_WHAT = {"pdl": "PDL", "fuse": "fused epilogues"}
+AB_WHAT = {"pdl": "PDL", "fuse": "the fused activation"}
 
 
 @contextlib.contextmanager
@@ -393,8 +394,8 @@ def ab(mode: str, name: str, shape, tokens, replays: int, device: str, log, rota
        rounds: int = 3) -> list[dict]:
     """``--pdl-ab`` (``mode`` "pdl"): :data:`PDL_ROWS` timed with qcompile's Triton kernels launched without PDL and
     with it (``fp8_quant_triton.without_pdl``; ``wo_mma`` keeps PDL in both); ``--fuse-ab`` ("fuse"): the
-    weight-only rows with wo_mma's grouped build running the gated activation and one token's top-k sum as separate
-    launches (``QCOMPILE_MOE_FUSE=0``) and fused. Without and with alternately in ``rounds`` rounds; the medians."""
+    weight-only rows with wo_mma's grouped build running the gated activation as a separate launch
+    (``QCOMPILE_MOE_FUSE=0``) and fused into GEMM 1. Without and with alternately in ``rounds`` rounds; the medians."""
     from qcompile.kernels.fp8_quant_triton import without_pdl
 
     e, h, i, k = shape

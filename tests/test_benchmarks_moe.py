@@ -151,4 +151,4 @@ def test_bench_moe_fuse_ab_dry_run(tmp_path, capsys, monkeypatch):
     int4 = next(iter(bench.OURS_WO))  # refused at the tiny shape (I = 192)
     assert all(isinstance(r["off_us"], float) and isinstance(r["on_us"], float) for r in rows if r["row"] != int4)
     assert set(seen) == {"0", None} and "QCOMPILE_MOE_FUSE" not in bench.os.environ
-    assert "| with fused epilogues, µs |" in capsys.readouterr().out
+    assert "| with the fused activation, µs |" in capsys.readouterr().out
