@@ -35,7 +35,6 @@ wall-clock timing: a smoke test of this script, not a measurement.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import itertools
 import json
@@ -44,6 +43,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -377,19 +377,6 @@ PDL_ROWS = ("ours FP8 tensor static", "ours FP8 channel x token", "ours int4 g12
 AB_WHAT = {"pdl": "PDL", "fuse": "the fused activation"}
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 def ab(mode: str, name: str, shape, tokens, replays: int, device: str, log, rotate: int = 1,
        rounds: int = 3) -> list[dict]:
     """``--pdl-ab`` (``mode`` "pdl"): :data:`PDL_ROWS` timed with qcompile's Triton kernels launched without PDL and
@@ -410,7 +397,7 @@ def ab(mode: str, name: str, shape, tokens, replays: int, device: str, log, rota
             rows += [dict(shape=name, tokens=t, row=row, off_us=why, on_us=why, ratio=None) for t in tokens]
         else:
             makers[row] = _wo_call(*wo_layer(spec, e, h, i, device, 0))
-    off = without_pdl if mode == "pdl" else functools.partial(_env, "QCOMPILE_MOE_FUSE", "0")
+    off = without_pdl if mode == "pdl" else functools.partial(mock.patch.dict, os.environ, {"QCOMPILE_MOE_FUSE": "0"})
     for t in tokens:
         routes, _ = routings(t, e, h, k, device, rotate)
         for row, make in makers.items():
