@@ -625,6 +625,20 @@ __device__ __forceinline__ float route_w(const void* __restrict__ route, int rh,
   return rh ? h_to_f32(((const u16*)route)[p]) : ((const float*)route)[p];
 }
 
+// The warp's RT tiles of fp32 outputs into the CTA's [M][TPC * 16] rows in shared memory (over x: the caller
+// synchronizes once every warp is past it). Rows `tile` * 16 on; an inactive warp writes none.
+__device__ __forceinline__ void acc_to_shared(float (&acc)[RT * MT][4], bool active, int tile, int M, float* red) {
+  const int lane = threadIdx.x & 31, r = lane >> 2, q = lane & 3;
+  if (!active) return;
+#pragma unroll
+  for (int t = 0; t < RT * MT; t++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const int tok = t % MT * 8 + 2 * q + (i & 1);
+      if (tok < M) red[tok * TPC * 16 + (tile + t / MT) * 16 + r + (i >> 1) * 8] = acc[t][i];
+    }
+}
+
 #if GACT
 // The gated activation of one (gate, up) pair of fp32 outputs (the fused MoE's epilogue math).
 __device__ __forceinline__ float gated_act(float g, float u, float alpha, float limit) {
@@ -646,21 +660,12 @@ __device__ __forceinline__ float gated_act(float g, float u, float alpha, float 
 __device__ __forceinline__ void store_act(float (&acc)[RT * MT][4], bool active, int tile, const float* __restrict__ gs,
                                           const u16* __restrict__ bias, u16* __restrict__ out, int M, int N,
                                           unsigned char* xs, const int* gpair, int pairs, float alpha, float limit) {
-  const int lane = threadIdx.x & 31, r = lane >> 2, q = lane & 3;
   constexpr int NR = TPC * 16, HR = NR / 2;  // output rows of a CTA, gate rows of a CTA
   const int I = N / 2;
   const float g = HAS_GS ? gs[0] : 1.f;
   float* red = (float*)xs;  // [M][NR] fp32, over x once every warp is past it
   __syncthreads();
-  if (active) {
-#pragma unroll
-    for (int t = 0; t < RT * MT; t++)
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const int tok = t % MT * 8 + 2 * q + (i & 1);
-        if (tok < M) red[tok * NR + (tile + t / MT) * 16 + r + (i >> 1) * 8] = acc[t][i];
-      }
-  }
+  acc_to_shared(acc, active, tile, M, red);
 #if CLUSTER > 1
   cluster_sync();
   const u32 rbase = smem_addr(xs);
@@ -744,17 +749,8 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
   // then CTA `rank` sums its slice of the outputs over the cluster's shared memories in rank order
   // (deterministic), no global memory, no counters.
   constexpr int NR = TPC * 16;    // output rows of a CTA
-  float* red = (float*)xs;        // [M][NR] fp32, over x once every warp is past it
-  __syncthreads();
-  if (active) {
-#pragma unroll
-    for (int t = 0; t < RT * MT; t++)
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const int tok = t % MT * 8 + 2 * q + (i & 1);
-        if (tok < M) red[tok * NR + (tile + t / MT) * 16 + r + (i >> 1) * 8] = acc[t][i];
-      }
-  }
+  __syncthreads();                // (x's shared memory: every warp is past it)
+  acc_to_shared(acc, active, tile, M, (float*)xs);
   cluster_sync();
   {  // 4 consecutive outputs of one token per thread and step (NR and N are multiples of 16)
     const u32 rbase = smem_addr(xs);
