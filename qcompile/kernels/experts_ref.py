@@ -79,6 +79,17 @@ def _plain_parts(name: str, h: torch.Tensor):
     return value, d_gate
 
 
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's swigluoai constants
+
+
+def split_activation(activation: str) -> tuple[str, float, float]:
+    """``"swigluoai:1.702:7.0"`` (the experts op's spelling) -> ("swigluoai", alpha, limit); without
+    parameters gpt-oss's constants."""
+    name, *params = activation.split(":")
+    alpha, limit = (float(p) for p in params) if params else (SWIGLU_ALPHA, SWIGLU_LIMIT)
+    return name, alpha, limit
+
+
 def gated_activation(h: torch.Tensor, activation: str, grad: torch.Tensor | None = None) -> torch.Tensor:
     """[M, 2I] gate columns then up columns -> [M, I]; with ``grad`` ([M, I], of the result) the gradient
     of h instead. ``silu`` / ``gelu`` / ``gelu_tanh``: act(gate) * up; ``swigluoai:<alpha>:<limit>``

@@ -65,6 +65,7 @@ from . import quant_math
 from .fp8_quant_triton import HAS_TRITON, interpreting, pdl, use_triton
 from .moe_config import (ACTIVATIONS, OP, GemmConfig, MoeConfig, MoeQuant, get_config, moe_quant,
                          normalize_config, tune)  # noqa: F401 - tune: part of this module's interface
+from .experts_ref import SWIGLU_ALPHA, SWIGLU_LIMIT, split_activation
 from .registry import Kernel, KernelQuery, cuda_reason, register, unknown_backend
 from .moe_kernels import A_CODES, A_DYNAMIC, A_STATIC, G_BLOCK, G_ROW, G_TENSOR, INT8_MIN_SCALE, moe_align
 
@@ -74,7 +75,6 @@ if HAS_TRITON:
     from .moe_kernels import _moe_gemm_kernel, _moe_sum_kernel
 
 BACKENDS = ("reference", "triton")
-SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's swigluoai constants
 
 
 def _check_inputs(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, b13, b2,
@@ -322,13 +322,6 @@ def fused_moe_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale,
 
 
 # -- the op ----------------------------------------------------------------------------------------
-
-def split_activation(activation: str) -> tuple[str, float, float]:
-    """``"swigluoai:1.702:7.0"`` (the experts op's spelling) -> ("swigluoai", alpha, limit)."""
-    name, *params = activation.split(":")
-    alpha, limit = (float(p) for p in params) if params else (SWIGLU_ALPHA, SWIGLU_LIMIT)
-    return name, alpha, limit
-
 
 @torch.library.custom_op(OP, mutates_args=())
 def fused_moe_op(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

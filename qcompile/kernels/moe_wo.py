@@ -48,7 +48,7 @@ import torch
 from ..errors import UnsupportedError
 from ..scheme import QuantScheme, parse_scheme_key
 from .experts_ref import (ACTIVATIONS, NON_GATED, ROLES, check_call, is_gated, reference_experts,
-                          register_straight_through)
+                          register_straight_through, split_activation)
 from .fp8_quant_triton import HAS_TRITON, pdl, use_triton
 from . import quant_math
 from .moe_kernels import moe_align
@@ -228,7 +228,7 @@ def wo_moe_triton(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: s
 
         # one token: each pair is a block of its own (no sort launch; a top-k's experts are distinct)
         align = flat_ids if t == 1 else moe_align(flat_ids, e, mma["block_m"])
-        alpha, limit = (float(v) for v in activation.split(":")[1:]) if ":" in activation else (0.0, 0.0)
+        _, alpha, limit = split_activation(activation)
         a = grouped(launches[0], x, a_div, *w13[:4], b13, spec.weight, align, pairs, None, alpha=alpha, limit=limit)
         if not launches[0].cfg.gact:
             a = activate(a.unsqueeze(0), activation, i, x.dtype)
@@ -253,9 +253,8 @@ def wo_moe_triton(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: s
 def activate(hid: torch.Tensor, activation: str, i: int, dtype: torch.dtype) -> torch.Tensor:
     """fp32 h [split, pairs, N1] -> act(h summed over the splits) [pairs, I] in ``dtype``: one launch
     (experts_ref.gated_activation's math in fp32, one rounding)."""
-    name, *params = activation.split(":")
+    name, alpha, limit = split_activation(activation)
     gated = not name.endswith("_no_mul")
-    alpha, limit = (float(v) for v in params) if params else (0.0, 0.0)
     split, pairs, n1 = hid.shape
     out = torch.empty((pairs, i), dtype=dtype, device=hid.device)
     block = min(_pow2(i), 1024)
