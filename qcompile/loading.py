@@ -40,6 +40,7 @@ from .checkpoint_files import (confinement_root, find_index, index_weight_map, r
 from .errors import CheckpointError, ConfigError, UnsupportedError
 from .formats import QuantConfig, parse_quant_config
 from .experts import QuantExperts, experts_on_disk, is_experts, locate_experts
+from .generation import DeferredGenerate
 from .linear import QuantLinear
 from .modules import is_router, linear_shape
 from .scheme import Granularity, QuantScheme, squeezed
@@ -145,6 +146,8 @@ class QCompileHfQuantizer(HfQuantizer):
         model.qcompile_config = self.qconfig
         if self.side_files:
             model.save_pretrained = _SaveWithSideFiles(model)
+        if hasattr(type(model), "generate"):
+            model.generate = DeferredGenerate(model)
         return model
 
     def is_serializable(self, *args, **kwargs):

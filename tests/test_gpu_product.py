@@ -1,12 +1,13 @@
 """On a CUDA GPU, the paths around the kernels: gradients through the GPU kernels (tiled wo_mma weights,
 FP8 scaled_mm), compile-time online FP8 under inductor with CUDA graphs, inductor's kernels with programmatic
 dependent launch chained to ours (bit-identical to PDL off), save_pretrained after a GPU
-load (tiled weights written back untiled), HF generate compiling with qcompile, and the FP8 KV cache
-in generate's compiled decode."""
+load (tiled weights written back untiled), HF generate compiling with qcompile (its stop check deferred), and
+the FP8 KV cache in generate's compiled decode."""
 
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -121,6 +122,36 @@ def test_generate_compiles_with_qcompile(synth_ckpt):
     assert "wo_mma" in qcompile.explain(), qcompile.explain()
     assert out.shape == eager.shape
     assert (out == eager).float().mean() > 0.9  # bf16 rounding may flip a late argmax on a random model
+
+
+@pytest.mark.parametrize("returned", [False, True])
+def test_generate_defers_its_stop_check_with_the_same_tokens(synth_ckpt, returned):
+    """On CUDA a loaded model's generate() reads its stop flag one step late (qcompile.generation): the same
+    tokens as the synchronous loop, stopping at max_new_tokens and at an end-of-sequence token mid-way (the
+    extra step undone), with the cache handed back (deferred only where the cache can be cropped) or not."""
+    from transformers.generation import utils as generation_utils
+
+    model = qcompile.load(str(synth_ckpt("ct-w4a16")), device="cuda")
+    ids = IDS.cuda()
+    config = CompileConfig(backend="qcompile", mode="default")
+    greedy = dict(max_new_tokens=12, do_sample=False, cache_implementation="static", compile_config=config,
+                  return_dict_in_generate=returned)
+    torch._dynamo.reset()
+    plain = type(model).generate(model, ids, **greedy)
+    plain = plain.sequences if returned else plain
+    eos = int(plain[0, ids.shape[1] + 5])  # a token the model emits mid-way
+    check = generation_utils.DeferredStopCheck
+    with mock.patch.object(check, "__init__", autospec=True, side_effect=check.__init__) as made:
+        for kw in ({}, {"eos_token_id": eos, "pad_token_id": eos}):
+            want = type(model).generate(model, ids, **greedy, **kw)
+            got = model.generate(ids, **greedy, **kw)
+            if returned:
+                want, got = want.sequences, got.sequences
+            assert torch.equal(got, want), (kw, got, want)
+    # a returned cache must be croppable to undo the extra step: StaticCache is in transformers 5.24, not in 5.17
+    croppable = StaticCache(config=model.config, max_cache_len=8).is_croppable
+    assert made.call_count == (2 if croppable or not returned else 0)
+    assert got.shape[1] <= ids.shape[1] + 6
 
 
 def test_fp8_kv_cache_in_compiled_generate(tmp_path):

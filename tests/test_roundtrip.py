@@ -299,6 +299,7 @@ def test_modelopt_model_copies_and_pickles(synth_ckpt, tmp_path):
     buf.seek(0)
     for other in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
         assert other.save_pretrained.model is other
+        assert other.generate.model is other
         other.save_pretrained(tmp_path)
         assert_same_checkpoint(src, tmp_path)
         shutil.rmtree(tmp_path)
