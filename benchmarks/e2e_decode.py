@@ -120,7 +120,7 @@ def parse_args(argv=None):
         p.error(f"unknown format(s) {unknown}; choose from {known}")
     args.formats = formats
     if args.hf_generate and args.tokens < 2:
-        p.error("--hf-generate times the gaps between generated tokens: pass --tokens 2 or more")
+        p.error("--hf-generate times the decode steps after the first token: pass --tokens 2 or more")
     return args
 
 

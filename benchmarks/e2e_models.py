@@ -212,34 +212,39 @@ def prefill_ms(model, compile_fn, device: str, length: int, reps: int) -> float:
 
 def generate_tok_s(model, compile_config, device: str, batch: int, prompt_len: int, new_tokens: int,
                    reps: int) -> dict:
-    """HF ``generate`` with a static cache and ``compile_config``: decode tokens/s (all sequences) from the
-    time between consecutive tokens. A stopping criterion that never stops stamps the time after each
-    token, the device synchronized (generate synchronizes every step anyway, to check its own criteria);
-    the first stamp follows the prefill, which generate runs uncompiled, so only the gaps after it count.
-    The median gap of ``reps`` calls of ``new_tokens`` tokens."""
-    from transformers import StoppingCriteria, StoppingCriteriaList
+    """HF ``generate`` with a static cache and ``compile_config``: decode tokens/s (all sequences) from whole
+    calls, with nothing added to generate's own loop: the time of a call making ``new_tokens`` tokens minus
+    that of one making 1 (the prefill alone, which generate runs uncompiled), over the ``new_tokens - 1``
+    decode steps between; the device synchronized before and after each call only. Calls of the two
+    lengths alternate, ``reps`` of each, medians. ``deferred``: whether generate deferred its stop check
+    (``qcompile.generation``: a model qcompile loaded, on CUDA)."""
+    from unittest import mock
 
-    class Stamps(StoppingCriteria):
-        def __init__(self):
-            self.times: list[float] = []
-
-        def __call__(self, input_ids, scores, **kwargs):
-            sync(device)
-            self.times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    from transformers.generation import utils as generation_utils
 
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=device)
 
-    def gaps() -> list[float]:
-        stamps = Stamps()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, cache_implementation="static", compile_config=compile_config,
-                       pad_token_id=0, stopping_criteria=StoppingCriteriaList([stamps]))
-        return [b - a for a, b in zip(stamps.times, stamps.times[1:])]
+    def call(n: int) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, cache_implementation="static", compile_config=compile_config, pad_token_id=0)
+        sync(device)
+        return time.perf_counter() - t0
 
-    gaps()  # compiles and captures
-    step = statistics.median(g for _ in range(reps) for g in gaps())
-    return {"tok_s": batch / step, "ms_per_step": 1e3 * step}
+    call(new_tokens)  # compiles and captures
+    check = getattr(generation_utils, "DeferredStopCheck", None)
+    deferred = False
+    if check is not None:  # did generate build a DeferredStopCheck?
+        with mock.patch.object(check, "__init__", autospec=True, side_effect=check.__init__) as init:
+            call(new_tokens)
+        deferred = init.called
+    long, short = [], []
+    for _ in range(reps):
+        long.append(call(new_tokens))
+        short.append(call(1))
+    step = (statistics.median(long) - statistics.median(short)) / (new_tokens - 1)
+    return {"tok_s": batch / step, "ms_per_step": 1e3 * step, "deferred": deferred}
 
 
 def compile_config(quantized: bool, cuda: bool, inner: str = "inductor", options: dict | None = None):
