@@ -216,9 +216,12 @@ def triton_reason(q, k, v, mask, fp8_kv: bool = False) -> str | None:
 
 def splits_for(programs: int, keys: int, device: torch.device) -> int:
     """Splits per (batch, key / value head): enough programs for four per SM, each with a block of keys at
-    least, and at most MAX_SPLITS (the merge loads them all at once)."""
+    least, and at most MAX_SPLITS (the merge loads them all at once), rounded to the nearest power of two: three
+    or five splits measured slower than two, four or eight (a cache's unwritten tail leaves the last split with
+    little work; docs/benchmarks.md). Above the keys' blocks the caller's chunking caps it."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(triton.cdiv(keys, BLOCK_N), triton.cdiv(4 * sms, programs), MAX_SPLITS))
+    n = max(1, min(triton.cdiv(keys, BLOCK_N), triton.cdiv(4 * sms, programs), MAX_SPLITS))
+    return min(1 << round(math.log2(n)), MAX_SPLITS)
 
 
 def _triton(q, k, v, mask, scale: float, splits: int | None = None, k_scale=None, v_scale=None) -> torch.Tensor:

@@ -177,6 +177,9 @@ def test_splits_fill_the_gpu():
     assert at.splits_for(programs=1, keys=4096, device=dev) == 32
     assert at.splits_for(programs=1, keys=100, device=dev) == 2  # no split without a block of keys
     assert at.splits_for(programs=256, keys=4096, device=dev) == 1
+    assert at.splits_for(programs=12, keys=4096, device=dev) == 4  # three: the nearest power of two
+    assert at.splits_for(programs=7, keys=4096, device=dev) == 4  # five
+    assert at.splits_for(programs=3, keys=4096, device=dev) == 8  # eleven
 
 
 @pytest.mark.skipif(not at.HAS_TRITON, reason="triton is not installed")
