@@ -5,7 +5,8 @@ waits for the device: the host prepares step n + 1 (inputs, masks, the compiled 
 processing) only once step n has finished, so that host time adds to every token. transformers ships the
 remedy, ``DeferredStopCheck`` (the flag copied asynchronously and read one step later; a step past an
 end-of-sequence token is computed and undone, the cache cropped when it is returned), and enables it on
-"mps" only. :func:`deferred_stop` enables it on CUDA for the ``generate`` calls inside it; models loaded by
+"mps" only. :func:`deferred_stop` enables it on CUDA for the ``generate`` calls inside it, except with assisted
+decoding, a returned cache that cannot be cropped, or several processes decoding together; models loaded by
 qcompile call ``generate`` inside it (``QCOMPILE_DEFER_STOP=0`` turns that off). The tokens are the same.
 """
 
@@ -33,7 +34,7 @@ def _install() -> bool:
     upstream = cls.is_supported
 
     def is_supported(device, cache, cache_is_returned, is_assistant):
-        if _ACTIVE.get() and torch.device(device).type == "cuda" and not is_assistant:
+        if _ACTIVE.get() and torch.device(device).type == "cuda" and not is_assistant and not _distributed():
             # the conditions transformers applies on mps: a returned cache must be croppable
             return cache is None or cache.is_croppable or not cache_is_returned
         return upstream(device, cache, cache_is_returned, is_assistant)
@@ -41,6 +42,13 @@ def _install() -> bool:
     is_supported.qcompile = True
     cls.is_supported = staticmethod(is_supported)
     return True
+
+
+def _distributed() -> bool:
+    """Several processes decode together (their loops may synchronize on the stop flag): left as transformers
+    runs them."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @contextlib.contextmanager
@@ -60,6 +68,7 @@ class DeferredGenerate:
 
     def __init__(self, model):
         self.model = model
+        self.__doc__ = type(model).generate.__doc__
 
     def __call__(self, *args, **kwargs):
         method = type(self.model).generate

@@ -35,6 +35,13 @@ def test_is_supported_accepts_cuda_only_inside_deferred_stop():
     assert not check.is_supported(CUDA, None, False, False)
 
 
+def test_several_processes_keep_transformers_loop():
+    generation._install()
+    with generation.deferred_stop(), mock.patch.object(torch.distributed, "is_initialized", return_value=True), \
+            mock.patch.object(torch.distributed, "get_world_size", return_value=2):
+        assert not generation_utils.DeferredStopCheck.is_supported(CUDA, None, False, False)
+
+
 def test_install_is_idempotent():
     generation._install()
     first = generation_utils.DeferredStopCheck.is_supported
@@ -56,6 +63,7 @@ def test_static_cache_qualifies():
 def test_loaded_model_generates_inside_deferred_stop(synth_ckpt, monkeypatch):
     model = qcompile.load(str(synth_ckpt("ct-w4a16")))
     assert isinstance(model.generate, generation.DeferredGenerate)
+    assert model.generate.__doc__ == type(model).generate.__doc__
     seen = []
     original = type(model).generate
 
