@@ -170,7 +170,7 @@ def _mma_launches(x, w13: tuple, w2: tuple, b13, b2, spec, i: int, mma: dict, pa
     e, h = w13[0].shape[0], x.shape[1]
     active, bm = min(e, pairs), mma["block_m"]
     fixed1 = dict(mma.get("gemm1", {}))
-    name = activation.split(":")[0]
+    name = split_activation(activation)[0]
     gact = ACT_CODES[name] if fixed1.pop("act", True) and fuse_activation() and name in ACTIVATIONS else 0
 
     def launch(w, b, k, fixed, **fused):
