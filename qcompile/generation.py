@@ -21,16 +21,14 @@ import torch
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("qcompile_deferred_stop", default=False)
 
 
-def _install() -> bool:
-    """Wrap ``DeferredStopCheck.is_supported`` once so that it also accepts CUDA inside
-    :func:`deferred_stop`; False where this transformers has no deferred stop check."""
+def _install() -> None:
+    """Wrap ``DeferredStopCheck.is_supported`` once so that it also accepts CUDA inside :func:`deferred_stop`
+    (nothing to do where this transformers has no deferred stop check)."""
     from transformers.generation import utils
 
     cls = getattr(utils, "DeferredStopCheck", None)
-    if cls is None or not hasattr(cls, "is_supported"):
-        return False
-    if getattr(cls.is_supported, "qcompile", False):
-        return True
+    if cls is None or getattr(cls.is_supported, "qcompile", False):
+        return
     upstream = cls.is_supported
 
     def is_supported(device, cache, cache_is_returned, is_assistant):
@@ -41,7 +39,6 @@ def _install() -> bool:
 
     is_supported.qcompile = True
     cls.is_supported = staticmethod(is_supported)
-    return True
 
 
 def _distributed() -> bool:
