@@ -150,9 +150,10 @@ def default_config(q: MoeQuant, e: int, h: int, i: int, k: int, t: int, num_sms:
     """The rule without measurements: pairs aligned per expert in 16- to 128-row tiles, activations
     quantized once by a separate kernel (measured faster than quantizing in every program's prologue).
     Per-pair decode programs without the sort, which tuning picked in every decode cell it ran on an H100,
-    come from the tables, not from this rule. With 16 / 32 rows (decode) the weights are the MMA's M side, GEMM 1 takes narrower column tiles
-    and GEMM 2 a split over K when that leaves SMs idle. Per-step (128-block) scales in 64-row tiles
-    take GEMM 1 tiles of 128 columns (the fastest tiles of a grid timed on an H100: docs/benchmarks.md)."""
+    come from the tables, not from this rule. With 16 / 32 rows (decode) the weights are the MMA's M side,
+    GEMM 1 takes narrower column tiles and GEMM 2 a split over K when that leaves SMs idle. Per-step
+    (128-block) scales in 64-row tiles take GEMM 1 tiles of 128 columns (the fastest tiles of a grid timed
+    on an H100: docs/benchmarks.md)."""
     p = t * k
     rows = p / max(1, min(e, p))  # rows per active expert
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 else 128
