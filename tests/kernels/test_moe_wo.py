@@ -840,3 +840,33 @@ def test_gpu_producer_checkpoints_compile_to_wo_moe(testdata, name):
             got = compiled(x, ids, w)
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2, (name, t)
     assert {(r.kernel, r.op) for r in be.rows} == {("wo_moe", "qcompile::wo_moe")}, be.explain()
+
+
+MOE_ENTRY = re.compile(r"^(?P<scheme>[^|]+)\|bfloat16\|moe E(?P<e>\d+) k(?P<k>\d+) (?P<n1>\d+)x(?P<h>\d+) "
+                       r"\d+x(?P<i>\d+)\|t(?P<t>\d+)$")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4_g128", "nvfp4"])
+def test_gpu_shipped_entries_match_reference(fmt):
+    """Every shipped table entry of this GPU for ``fmt``'s experts (the launches a model of that shape runs) on
+    random experts of the entry's shape at its T, against experts_ref."""
+    from qcompile.kernels import wo_tune
+
+    tiled = QuantScheme(dataclasses.replace(FORMATS[fmt], tiled=True))
+    table = wo_tune._table("shipped", torch.cuda.get_device_name())
+    entries = [(m, c) for key, c in table.items() if (m := MOE_ENTRY.match(key)) and m["scheme"] == tiled.key]
+    if not entries:
+        pytest.skip(f"no shipped {fmt} MoE entries for {torch.cuda.get_device_name()}")
+    for m, choice in entries:
+        e, h, i, k, t = (int(m[f]) for f in ("e", "h", "i", "k", "t"))
+        args = gpu_moe(fmt, t, (e, h, i, k), seed=t)
+        w13, w2 = (tuple(quant_math.tile_weight(v.reshape(-1, v.shape[-1]), tiled.weight).reshape(v.shape)
+                         if r == "weight" else v for r, v in ((r, args[f"{p}_{r}"]) for r in W_ROLES))
+                   for p in ("w13", "w2"))
+        route = mw._route(choice, mw.mma_rule(args["hidden_states"], t * k, e))
+        out = mw.wo_moe_triton(args["hidden_states"], args["top_k_index"], args["top_k_weights"], w13, w2, None,
+                               None, "silu", tiled, False, *route)
+        check_gpu(out, args, f"{m.group(0)} {choice}")
+        del args, w13, w2
+        torch.cuda.empty_cache()
