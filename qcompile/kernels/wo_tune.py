@@ -30,6 +30,9 @@ from . import cuda_driver, wo_policy
 
 SHIPPED = Path(__file__).with_name("tuned")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+# T buckets of qcompile::wo_moe's keys: M's, then prefill chunks up to 16384 tokens, where the faster of the grouped
+# Triton kernel and dequantize + _grouped_mm depends on the experts' shape
+MOE_T_BUCKETS = M_BUCKETS + (2048, 4096, 8192, 16384)
 ROUTES = ("policy", "mma", "triton", "dequant")
 # wo_mma keywords tried beside the policy's own launch (those the kernel has no build for, or that come to
 # the policy's launch, are dropped per shape)
@@ -62,9 +65,9 @@ class Choice:
 
 # -- keys and files --------------------------------------------------------------------------------
 
-def m_bucket(m: int) -> int | None:
-    """The smallest of :data:`M_BUCKETS` >= ``m``; None above the last (the policy decides there)."""
-    return next((b for b in M_BUCKETS if m <= b), None)
+def m_bucket(m: int, buckets: tuple[int, ...] = M_BUCKETS) -> int | None:
+    """The smallest of ``buckets`` >= ``m``; None above the last (the policy decides there)."""
+    return next((b for b in buckets if m <= b), None)
 
 
 def key_of(spec: WeightSpec, x_dtype: torch.dtype, n: int, k: int, m: int) -> str | None:
@@ -80,8 +83,9 @@ def _key(spec: WeightSpec, x_dtype: torch.dtype, shape: str, bucket: str) -> str
 
 def moe_key(spec: WeightSpec, x_dtype: torch.dtype, e: int, topk: int, n1: int, h: int, i: int, t: int) -> str | None:
     """Key of a ``qcompile::wo_moe`` layer call (E experts, top-k, w13 [n1, h], w2 [h, i], T tokens):
-    ``<scheme key>|<x dtype>|moe E<e> k<topk> <n1>x<h> <h>x<i>|t<bucket>``; None above the last bucket."""
-    b = m_bucket(t)
+    ``<scheme key>|<x dtype>|moe E<e> k<topk> <n1>x<h> <h>x<i>|t<bucket>`` (:data:`MOE_T_BUCKETS`); None above the
+    last bucket."""
+    b = m_bucket(t, MOE_T_BUCKETS)
     return None if b is None else _key(spec, x_dtype, f"moe E{e} k{topk} {n1}x{h} {h}x{i}", f"t{b}")
 
 

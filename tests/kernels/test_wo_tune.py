@@ -39,6 +39,10 @@ def test_keys_and_buckets():
     assert key.endswith("|bfloat16|4096x14336|m4") and key != wo_tune.key_of(SPECS["int4_g128"], torch.bfloat16,
                                                                                4096, 14336, 3)
     assert wo_tune.key_of(SPEC, torch.float16, 4096, 4096, 2000) is None
+    # MoE calls: T buckets go on to 16384 tokens (prefill chunks)
+    moe = [wo_tune.moe_key(SPEC, torch.bfloat16, 128, 8, 1536, 2048, 768, t) for t in (3, 1025, 4096, 16384, 16385)]
+    assert [k and k.rsplit("|", 1)[1] for k in moe] == ["t4", "t2048", "t4096", "t16384", None]
+    assert moe[0].endswith("|bfloat16|moe E128 k8 1536x2048 2048x768|t4")
     assert wo_tune.file_name(GPU) == "NVIDIA_H100_80GB_HBM3.json"
 
 
