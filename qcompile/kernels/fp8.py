@@ -42,8 +42,7 @@ BACKENDS = ("emulated", "scaled_mm", "flashinfer")
 IN_GRAPH_OP = "qcompile::fp8_linear_in_graph"  # the same math as graph ops for inductor (fp8_inductor)
 
 # Below this many rows, channel / per-token scales go through a TensorWise GEMM + epilogue instead
-# of RowWise _scaled_mm. H100, N=K=8192, channel x dynamic token end to end (docs/kernels-fp8.md):
-# M=64: 34.2 us (epilogue) vs 36.5 (RowWise); M=96: 35.8 vs 34.3.
+# of RowWise _scaled_mm: where the two cross on an H100 (docs/kernels-fp8.md).
 ROWWISE_MIN_M = 96
 
 # cuBLASLt (torch 2.11+cu130, H100) answers NOT_SUPPORTED for the 1x128 x 128x128 block recipe

@@ -88,8 +88,8 @@ BACKENDS = ("reference", "triton")
 # Rows per active expert above which every expert is dequantized once and torch._grouped_mm (cuBLAS-class
 # bf16 GEMMs) runs the layer: the dense op's switch (wo_gemm.WO_MAX_M of int4 / int8).
 DEQUANT_ROWS = 128
-# Rows per active expert up to which the rule takes wo_mma's grouped build on CUDA (two 8-token tiles; on tiled
-# experts it beat the Triton kernel there, H200: Qwen3-30B-A3B T=256 273 vs 316 µs, Mixtral T=64 687 vs 708).
+# Rows per active expert up to which the rule takes wo_mma's grouped build on CUDA (two 8-token tiles: where it beats
+# the Triton kernel on tiled experts; the figures are in docs/kernels-moe.md).
 MMA_MAX_ROWS = 16
 PROJECTIONS = ("gate/up projection w13", "down projection w2")
 # activation name (without _no_mul) -> the fused MoE kernels' activation code (moe_kernels._act_fn, _epilogue)

@@ -545,8 +545,7 @@ def _default_launch(gpu: Gpu, base: MmaConfig, plan_args: tuple, rt: bool) -> Mm
 
 
 # The grouped build's split aims at this many warps per SM: twice the dense launches' (more weight bytes in flight
-# where few active experts leave few columns); within 10 % of the best (warps, split) per GEMM over Mixtral- and
-# Qwen3-30B-A3B-shaped experts at T = 1..16 on an H200, where the dense 32 left 21 %.
+# where few active experts leave few columns). Measured shapes use their table entries (docs/kernels-moe.md).
 GROUPED_WARPS_PER_SM = 64
 
 
