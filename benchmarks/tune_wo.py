@@ -101,13 +101,17 @@ def main(argv=None) -> int:
                    help="tune qcompile::wo_moe on these expert shapes of bench_moe.py instead")
     p.add_argument("--moe-formats", nargs="+", default=["int4 g128", "NVFP4"],
                    help="with --moe: the weight-only rows of bench_moe.py, by their format word(s)")
-    p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64], help="with --moe: T of each bucket")
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64],
+                   help="with --moe: T of each bucket (wo_tune.MOE_T_BUCKETS)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU")
     bad = [m for m in args.m if wo_tune.m_bucket(m) != m]
     if bad:
         p.error(f"--m {bad}: each M must be one of the buckets {wo_tune.M_BUCKETS}")
+    bad = [t for t in args.tokens if wo_tune.m_bucket(t, wo_tune.MOE_T_BUCKETS) != t]
+    if args.moe and bad:
+        p.error(f"--tokens {bad}: each T must be one of the buckets {wo_tune.MOE_T_BUCKETS}")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
     name = torch.cuda.get_device_name()
     path = args.out / wo_tune.file_name(name)
     entries = json.loads(path.read_text())["entries"] if path.is_file() else {}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -45,3 +47,17 @@ def test_report_checks_and_summary():
     assert "- int4 g128: slower than bf16 in 1 cells: 6144x4096 M=256 30.0 vs 24.0" in text
     assert "| M = 1, % of floor | bf16 % | int4 g128 % |" in text
     assert "| 8192x1024 | 25 % | 25 % |" in text
+
+
+def test_tune_wo_refuses_token_counts_that_are_not_buckets(capsys):
+    """tune_wo.py --moe keys an entry by T's bucket: a T that is not a bucket, or above the last, is refused before
+    anything is measured (a T above the last bucket has no key)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import tune_wo
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    for tokens in (["3"], ["32768"]):
+        with pytest.raises(SystemExit):
+            tune_wo.main(["--moe", "qwen3-30b-a3b", "--tokens", *tokens])
+        assert f"--tokens [{tokens[0]}]: each T must be one of the buckets" in capsys.readouterr().err
