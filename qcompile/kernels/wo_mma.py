@@ -305,6 +305,8 @@ def mma_reason(spec: WeightSpec, n: int, k: int, x_dtype: torch.dtype = torch.bf
         return "act-order (g_idx) weights"
     if spec.scale.granularity not in (Granularity.TENSOR, Granularity.CHANNEL, Granularity.GROUP):
         return f"scales per {spec.scale.granularity.value}"
+    if spec.dtype is QDtype.FP8_E4M3 and spec.scale.dtype is not ScaleDtype.E8M0:
+        return "fp8 weights with fp32 scales belong to qcompile::fp8_linear (the kernel decodes MXFP8's e8m0 scales)"
     kc = chunk_k(spec)
     if n % 16 or k % kc:
         return f"[N, K] = [{n}, {k}]: N must be a multiple of 16 and K of {kc}"
@@ -312,8 +314,6 @@ def mma_reason(spec: WeightSpec, n: int, k: int, x_dtype: torch.dtype = torch.bf
         g = spec.scale.group_size
         if g < 16 or g & (g - 1) or k % g:
             return f"group size {g} (a power of two >= 16 dividing K expected)"
-        if spec.dtype is QDtype.FP8_E4M3 and spec.scale.dtype is not ScaleDtype.E8M0:
-            return "fp8 weights with fp32 scales belong to qcompile::fp8_linear"
     if zp_dtype is not None and zp_dtype not in ZP_TYPES:
         return f"zero points of dtype {zp_dtype}"
     return None

@@ -50,6 +50,10 @@ def test_reasons():
     assert wo_mma.mma_reason(g48, 4096, 4096).startswith("group size 48")
     assert wo_mma.mma_reason(_spec("int4_g128_zp"), 4096, 4096, zp_dtype=torch.int64) == \
         "zero points of dtype torch.int64"
+    for gran in (Granularity.TENSOR, Granularity.CHANNEL):  # fp32-scaled fp8 (qcompile::fp8_linear's), any granularity
+        fp8 = WeightSpec(QDtype.FP8_E4M3, ScaleSpec(gran))
+        assert wo_mma.mma_reason(fp8, 4096, 4096).startswith("fp8 weights with fp32 scales belong to qcompile::")
+    assert wo_mma.mma_reason(_spec("mxfp8"), 4096, 4096) is None
 
 
 def test_scale_modes():
