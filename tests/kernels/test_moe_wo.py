@@ -660,6 +660,16 @@ def check_gpu(out: torch.Tensor, args: dict, tag: str, on_input: bool = False) -
     assert rel < (1e-2 if bf16 else 5e-3) and row < (3e-2 if bf16 else 1.5e-2), (tag, rel, row)
 
 
+def projections(args: dict, scheme: QuantScheme) -> tuple[tuple, tuple]:
+    """(w13, w2): each projection's tensors of ``args`` in :data:`W_ROLES` order, the weights tiled per expert
+    where ``scheme``'s weight is (as a GPU load stores them)."""
+    def one(p):
+        return tuple(quant_math.tile_weight(v.reshape(-1, v.shape[-1]), scheme.weight).reshape(v.shape)
+                     if r == "weight" and scheme.weight.tiled else v
+                     for r, v in ((r, args[f"{p}_{r}"]) for r in W_ROLES))
+    return one("w13"), one("w2")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,shape", GPU_CASES)
 def test_gpu_matches_reference(fmt, shape):
@@ -740,9 +750,7 @@ def test_gpu_grouped_mma_matches_reference(fmt):
             b = (args["w13_bias"], args["w2_bias"])
             for bm, tiled in itertools.product(mw.MMA_BLOCK_M, (False, True)):
                 s = QuantScheme(dataclasses.replace(spec, tiled=tiled))
-                w13, w2 = (tuple(quant_math.tile_weight(v.reshape(-1, v.shape[-1]), s.weight).reshape(v.shape)
-                                 if r == "weight" and tiled else v for r, v in
-                                 ((r, args[f"{p}_{r}"]) for r in W_ROLES)) for p in ("w13", "w2"))
+                w13, w2 = projections(args, s)
                 mma = {"block_m": bm}
                 assert mw._mma_launches(x, w13, w2, *b, s, shape[2], mma, ids.numel()), (name, bm)
                 out = mw.wo_moe_triton(x, ids, args["top_k_weights"], w13, w2, *b, args["activation"], s,
@@ -761,9 +769,7 @@ def test_gpu_grouped_mma_shared_tiles_match_reference(fmt):
     s = QuantScheme(dataclasses.replace(spec, tiled=True))
     for t in (1, 5):
         args = gpu_moe(fmt, t, shape, seed=t, bias=True)
-        w13, w2 = (tuple(quant_math.tile_weight(v.reshape(-1, v.shape[-1]), s.weight).reshape(v.shape)
-                         if r == "weight" else v for r, v in ((r, args[f"{p}_{r}"]) for r in W_ROLES))
-                   for p in ("w13", "w2"))
+        w13, w2 = projections(args, s)
         b = (args["w13_bias"], args["w2_bias"])
         for g1, g2 in (({"kw": 2}, {"rt": 2}), ({"warps": 8, "kw": 2, "rt": 2}, {"warps": 8, "kw": 4, "split": 1}),
                        ({"warps": 16, "kw": 4, "rt": 2, "split": 1}, {"warps": 4, "rt": 2, "split": 2})):
@@ -791,9 +797,7 @@ def test_gpu_fused_activation_matches_separate_launch(fmt, monkeypatch):
         args = gpu_moe(fmt, t, shape, activation=act, seed=seed, bias=seed % 2 == 0)
         args["top_k_index"][0, 1] = -1  # another rank's expert
         x, ids, b = args["hidden_states"], args["top_k_index"], (args["w13_bias"], args["w2_bias"])
-        w13, w2 = (tuple(quant_math.tile_weight(v.reshape(-1, v.shape[-1]), s.weight).reshape(v.shape)
-                         if r == "weight" else v for r, v in ((r, args[f"{p}_{r}"]) for r in W_ROLES))
-                   for p in ("w13", "w2"))
+        w13, w2 = projections(args, s)
         outs = {}
         for fuse, choice in (("1", {}), ("0", {}), ("1", {"act": False})):
             monkeypatch.setenv("QCOMPILE_MOE_FUSE", fuse)
@@ -861,9 +865,7 @@ def test_gpu_shipped_entries_match_reference(fmt):
     for m, choice in entries:
         e, h, i, k, t = (int(m[f]) for f in ("e", "h", "i", "k", "t"))
         args = gpu_moe(fmt, t, (e, h, i, k), seed=t)
-        w13, w2 = (tuple(quant_math.tile_weight(v.reshape(-1, v.shape[-1]), tiled.weight).reshape(v.shape)
-                         if r == "weight" else v for r, v in ((r, args[f"{p}_{r}"]) for r in W_ROLES))
-                   for p in ("w13", "w2"))
+        w13, w2 = projections(args, tiled)
         route = mw._route(choice, mw.mma_rule(args["hidden_states"], t * k, e))
         out = mw.wo_moe_triton(args["hidden_states"], args["top_k_index"], args["top_k_weights"], w13, w2, None,
                                None, "silu", tiled, False, *route)
