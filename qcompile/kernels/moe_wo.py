@@ -301,8 +301,9 @@ NO_DEQUANT = 1 << 62  # dequant_rows that keeps every call on the grouped kernel
 
 
 MMA_BLOCK_M = (8, 16)
-# one grouped wo_mma GEMM's launch: warps per CTA, K split, warps per 16-row tile, tiles per warp (group)
-MMA_AXES = {"warps": (4, 8, 16), "split": (1, 2, 3, 4, 6, 8), "kw": (1, 2, 4), "rt": (1, 2)}
+# one grouped wo_mma GEMM's launch: warps per CTA, K split, warps per 16-row tile, tiles per warp (group), and whether
+# the next kernel may launch from the start (wo_policy.grouped_launch's trig)
+MMA_AXES = {"warps": (4, 8, 16), "split": (1, 2, 3, 4, 6, 8), "kw": (1, 2, 4), "rt": (1, 2), "trig": (False, True)}
 MMA_ACT = (True, False)  # GEMM 1's "act": the gated activation fused into it, or a separate launch
 
 

@@ -551,7 +551,8 @@ GROUPED_WARPS_PER_SM = 64
 
 @functools.lru_cache(maxsize=None)  # asked on every call of the MoE op
 def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | None = None, split: int | None = None,
-                   max_cluster: int = MAX_CLUSTER, kw: int = 1, rt: int = 1, gact: int = 0) -> MmaLaunch | None:
+                   max_cluster: int = MAX_CLUSTER, kw: int = 1, rt: int = 1, gact: int = 0,
+                   trig: bool = False) -> MmaLaunch | None:
     """The launch of the grouped (MoE experts) mma.sync build for blocks of ``call.m`` pair slots of one expert each,
     about ``active`` of them busy: :data:`MMA_WARPS` warps per CTA and the split that gives the active blocks
     :data:`GROUPED_WARPS_PER_SM` warps per SM (:func:`plan` over their ``active * N`` rows), at most ``max_cluster``
@@ -559,8 +560,10 @@ def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | No
     :data:`SMEM_BUDGET`. ``warps`` / ``split`` fix the CTA size / the split (None where a forced split exceeds the
     cluster); ``kw`` warps share a 16-row tile, each group of them owning ``rt`` tiles (the mma.sync build's
     refinements; None where ``kw`` does not divide the warps). ``gact`` (an activation code) fuses the gated activation
-    (None where the tile groups are odd or N / 2 is not a multiple of 16). Its grid's third dimension is the token
-    sort's block count, given at the launch."""
+    (None where the tile groups are odd or N / 2 is not a multiple of 16). ``trig`` (with PDL): the next kernel may
+    launch once this one's CTAs have their block (after its griddepcontrol.wait), not after their main loop, so that
+    its CTAs request their weights beside this one's. Its grid's third dimension is the token sort's block count,
+    given at the launch."""
     spec, m, n, k = call.spec, call.m, call.n, call.k
     stages = LAUNCH[spec.tiled][0]
     bits, warps, most = spec.dtype.bits, warps or MMA_WARPS, max_cluster if gpu.capability[0] >= 9 else 1
@@ -577,8 +580,8 @@ def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | No
     smode, group = scale_mode(spec)
     cfg = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, call.zp_t is not None,
                     call.zp_t or "int", call.has_gs, call.has_bias, -(-m // 8), stages, warps, spec.tiled,
-                    cluster=split if split > 1 else 1, pdl=pdl, xf16=call.xf16, grouped=True, kw=kw, rt=rt,
-                    gact=gact)
+                    cluster=split if split > 1 else 1, pdl=pdl, trig=trig and pdl, xf16=call.xf16, grouped=True, kw=kw,
+                    rt=rt, gact=gact)
     return MmaLaunch(cfg, -(-(n // 16) // cfg.tiles), split, cps, smem_bytes(m, cps, cfg))
 
 

@@ -762,8 +762,9 @@ def test_gpu_grouped_mma_matches_reference(fmt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4_g128", "nvfp4"])
 def test_gpu_grouped_mma_shared_tiles_match_reference(fmt):
-    """The grouped build with the tuner's kw (warps per 16-row tile) and rt (tiles per warp) axes, as tuned
-    entries may fix them per GEMM, against experts_ref: one token (no sort) and five."""
+    """The grouped build with the tuner's kw (warps per 16-row tile), rt (tiles per warp) and trig (the next kernel
+    launched from the start) axes, as tuned entries may fix them per GEMM, against experts_ref: one token (no sort)
+    and five."""
     shape = GPU_SHAPES["e32-h1024-i768-k4"]
     spec = FORMATS[fmt]
     s = QuantScheme(dataclasses.replace(spec, tiled=True))
@@ -772,7 +773,8 @@ def test_gpu_grouped_mma_shared_tiles_match_reference(fmt):
         w13, w2 = projections(args, s)
         b = (args["w13_bias"], args["w2_bias"])
         for g1, g2 in (({"kw": 2}, {"rt": 2}), ({"warps": 8, "kw": 2, "rt": 2}, {"warps": 8, "kw": 4, "split": 1}),
-                       ({"warps": 16, "kw": 4, "rt": 2, "split": 1}, {"warps": 4, "rt": 2, "split": 2})):
+                       ({"warps": 16, "kw": 4, "rt": 2, "split": 1}, {"warps": 4, "rt": 2, "split": 2}),
+                       ({"trig": True}, {"trig": True, "split": 2})):
             mma = {"block_m": 8, "gemm1": g1, "gemm2": g2}
             assert mw._mma_choice(mma) and mw._mma_launches(args["hidden_states"], w13, w2, *b, s, shape[2], mma,
                                                              args["top_k_index"].numel()), mma

@@ -382,7 +382,8 @@ def test_source_compiles_grouped(name):
                               spec.zero_point, "float", spec.global_scale, True, 1, warps=8, pdl=True, grouped=True)
     two = replace(cfg, mt=2, cluster=4, packed=True)
     fused = [replace(c, gact=a) for c in (cfg, two) for a in (1, 2, 4, 5)]
-    for c in [cfg, two, replace(cfg, gact=1, kw=2, rt=2)] + fused:
+    trig = [replace(cfg, trig=True), replace(two, gact=1, trig=True)]  # the next kernel launched from the start
+    for c in [cfg, two, replace(cfg, gact=1, kw=2, rt=2)] + fused + trig:
         assert wo_mma.compile_cubin(wo_mma.source(c), "90")[:4] == b"\x7fELF", c
     with pytest.raises(RuntimeError, match="GROUPED: the mma.sync build with x staged"):
         wo_mma.compile_cubin(wo_mma.source(replace(cfg, xs=True, packed=True)), "90")
