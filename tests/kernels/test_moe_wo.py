@@ -33,7 +33,7 @@ from expecttest import assert_expected_inline
 import qcompile
 from qcompile.errors import UnsupportedError
 from qcompile.kernels import moe_wo as mw
-from qcompile.kernels import quant_math, registry
+from qcompile.kernels import registry
 from qcompile.kernels.experts_ref import reference_experts
 from qcompile.kernels.registry import KernelQuery
 from qcompile.kernels.wo_mma import mma_reason
@@ -662,12 +662,17 @@ def check_gpu(out: torch.Tensor, args: dict, tag: str, on_input: bool = False) -
 
 def projections(args: dict, scheme: QuantScheme) -> tuple[tuple, tuple]:
     """(w13, w2): each projection's tensors of ``args`` in :data:`W_ROLES` order, the weights tiled per expert
-    where ``scheme``'s weight is (as a GPU load stores them)."""
-    def one(p):
-        return tuple(quant_math.tile_weight(v.reshape(-1, v.shape[-1]), scheme.weight).reshape(v.shape)
-                     if r == "weight" and scheme.weight.tiled else v
-                     for r, v in ((r, args[f"{p}_{r}"]) for r in W_ROLES))
-    return one("w13"), one("w2")
+    where ``scheme``'s weight is, by the load's own transform (moe_wo.tile_for_mma)."""
+    w13, w2 = ([args[f"{p}_{r}"] for r in W_ROLES] for p in ("w13", "w2"))
+    if scheme.weight.tiled:
+        x, zp = args["hidden_states"], args["w13_weight_zero_point"]
+        n1 = w13[0].shape[1]
+        i = n1 // 2 if mw.is_gated(args["activation"]) else n1
+        tiled = mw.tile_for_mma(QuantScheme(dataclasses.replace(scheme.weight, tiled=False), scheme.act), w13[0],
+                                w2[0], x.shape[-1], i, x.dtype, None if zp is None else zp.dtype)
+        assert tiled is not None and tiled[0].key == scheme.key, scheme.key
+        w13[0], w2[0] = tiled[1:]
+    return tuple(w13), tuple(w2)
 
 
 @pytest.mark.gpu
