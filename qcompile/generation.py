@@ -27,7 +27,7 @@ def _install() -> None:
     from transformers.generation import utils
 
     cls = getattr(utils, "DeferredStopCheck", None)
-    if cls is None or getattr(cls.is_supported, "qcompile", False):
+    if cls is None or not hasattr(cls, "is_supported") or getattr(cls.is_supported, "qcompile", False):
         return
     upstream = cls.is_supported
 

@@ -42,6 +42,13 @@ def test_several_processes_keep_transformers_loop():
         assert not generation_utils.DeferredStopCheck.is_supported(CUDA, None, False, False)
 
 
+def test_install_leaves_a_check_without_is_supported_alone(monkeypatch):
+    """A transformers whose DeferredStopCheck has no is_supported: nothing to wrap, no error."""
+    monkeypatch.setattr(generation_utils, "DeferredStopCheck", type("DeferredStopCheck", (), {}))
+    generation._install()
+    assert not hasattr(generation_utils.DeferredStopCheck, "is_supported")
+
+
 def test_install_is_idempotent():
     generation._install()
     first = generation_utils.DeferredStopCheck.is_supported
