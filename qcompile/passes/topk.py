@@ -3,11 +3,13 @@
 A Mixture-of-Experts router picks ``k`` of ``E`` experts per token with ``torch.topk`` (``k`` of 2..8, ``E`` of
 8..256). Inductor has no lowering for ``topk``: it calls ATen's, two kernels on CUDA (a radix select, then a
 sort of the ``k`` winners) that cost several microseconds each however small the row, every MoE layer, every
-decode step. This pass writes it as ``k`` steps of "the largest value not yet picked, at its lowest index",
+decode step. This pass writes it as ``k`` steps of "the largest value not yet picked, at its lowest index" on one
+int64 key per element (the value's fp32 bits mapped to an order-preserving int32 in the high half, ``E - 1 - i`` in
+the low half, so that the lower index wins a tie):
 
-    m = max(where(picked, -inf, x));  i = min(position where x == m and not picked);  picked |= position == i
+    best = max(key);  i = E - 1 - (best & 0xFFFFFFFF);  key = where(key == best, INT64_MIN, key)
 
-then gathers the values at the picked indices. Inductor fuses the whole chain, and usually the softmax before
+one max reduction per step, then gathers the values at the picked indices. Inductor fuses the whole chain, and usually the softmax before
 it, into one kernel per router. The result is ``torch.topk``'s, sorted (largest first), with equal values in
 ascending index order (where ``topk`` leaves their order unspecified) and NaN ranked above every number (+inf
 too), as ``topk`` ranks it. It applies to floating-point ``topk`` over the last dimension with ``largest=True``,
@@ -27,21 +29,26 @@ MAX_E = 1024  # a row inductor keeps in registers (a persistent reduction)
 NAMES = ("input", "k", "dim", "largest", "sorted")
 
 
+INT32_MAX = 2**31 - 1
+INT64_MIN = -(2**63)
+
+
 def topk_by_selection(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.topk(x, k, dim=-1)`` of a floating-point ``x`` in ``k`` selection steps (see the module doc)."""
+    """``torch.topk(x, k, dim=-1)`` of a floating-point ``x`` in ``k`` selection steps (see the module doc).
+
+    Each element is one int64 key, value then position: the high half the fp32 value's bits mapped so that signed
+    integer order is the float order (NaN above +inf, -0.0 made +0.0 so that zeros tie), the low half ``E - 1 - i``
+    (the lower index wins a tie). A step is then one max reduction over the keys, where a value and an index each
+    took one."""
     e = x.shape[-1]
-    pos = torch.arange(e, device=x.device)
-    nan = torch.isnan(x)
-    key = torch.where(nan, torch.inf, x)  # topk ranks NaN above every number, +inf included:
-    order = torch.where(nan, pos - e, pos)  # among equal keys, NaN first, then the lowest index
-    picked = torch.zeros_like(x, dtype=torch.bool)
+    bits = (x.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
+    value = torch.where(torch.isnan(x), INT32_MAX, bits ^ ((bits >> 31) & INT32_MAX))
+    key = (value.long() << 32) | (e - 1 - torch.arange(e, device=x.device))
     ids = []
     for _ in range(k):
-        masked = torch.where(picked, -torch.inf, key)
-        best = masked.amax(-1, keepdim=True)
-        first = torch.where((masked == best) & ~picked, order, e).amin(-1, keepdim=True)
-        picked = picked | (order == first)
-        ids.append(torch.where(first < 0, first + e, first))
+        best = key.amax(-1, keepdim=True)
+        key = torch.where(key == best, INT64_MIN, key)
+        ids.append(e - 1 - (best & 0xFFFFFFFF))
     ids = torch.cat(ids, -1)
     return x.gather(-1, ids), ids
 

@@ -48,11 +48,18 @@ def test_nan_and_infinities():
     assert check_topk(torch.tensor([[float("inf"), float("nan"), 0.0]]), 2)[1].tolist() == [[1, 0]]
 
 
+def test_zeros_of_either_sign_tie():
+    """-0.0 and +0.0 are equal values: their lowest indices first, as any other tie."""
+    x = torch.tensor([[-0.0, 0.0, -1.0, -0.0, 0.0]])
+    vals, ids = check_topk(x, 4)
+    assert ids.tolist() == [[0, 1, 3, 4]]
+
+
 def test_random_mixes_of_nan_and_infinities():
     g = torch.Generator().manual_seed(0)
-    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, 1.0, -1.0])
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, 1.0, -1.0, -0.0, 3e-45, -3e-45])
     for _ in range(200):
-        x = specials[torch.randint(0, 6, (3, 7), generator=g)]
+        x = specials[torch.randint(0, len(specials), (3, 7), generator=g)]
         for k in (1, 3, 7):
             check_topk(x, k)
 
