@@ -18,8 +18,9 @@ tokens/s of an own greedy loop (``kv_cache.static_cache``, one compiled step per
 no host synchronization between steps) at each ``--batch``, the median of ``--reps`` rounds and their spread,
 against the weight-read floor (bytes one step reads / the device-to-device copy bandwidth measured in the same run);
 the prefill of ``--prefill`` tokens at batch 1 (compiled without CUDA graphs); logits errors on a 32-token probe
-(compiled vs eager, and vs the dequantized bf16 model); with ``--hf-generate``, ``model.generate`` with a static
-cache and a CompileConfig (qcompile backend, its CUDA graphs), decode tokens/s next to the own loop's.
+(compiled vs eager, and vs the dequantized bf16 model; ``--no-errors`` skips them); with ``--hf-generate``,
+``model.generate`` with a static cache and a CompileConfig (qcompile backend, its CUDA graphs), decode tokens/s next
+to the own loop's.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ def parse_args(argv=None):
                         "models in 37 GiB of weights fit an 80 GB GPU)")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens before decoding")
     p.add_argument("--prefill", type=int, default=2048, help="prefill length timed at batch 1 (0: skip)")
+    p.add_argument("--no-errors", action="store_true",
+                   help="skip the logits-error probe (its compile, and for a quantized model a dequantized bf16 "
+                        "copy held for a moment): for models too deep to hold twice or compile twice in time")
     p.add_argument("--hf-generate", action="store_true", help="also time model.generate with a CompileConfig")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the N GPU kernels with the most time per decode step (torch.profiler)")
@@ -226,7 +230,8 @@ def prepare(name: str, fmt: str, make, args, results: dict) -> Held:
     quantized = fmt != "bf16"
     be, compile_fn, plain_compile = compilers(args, quantized, backend_options(fmt) if quantized else {})
     probe = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
-    out["errors"] = em.logits_errors(model, plain_compile, probe.to(args.device), quantized)
+    if not args.no_errors:
+        out["errors"] = em.logits_errors(model, plain_compile, probe.to(args.device), quantized)
     if args.prefill:
         out["prefill_ms"] = em.prefill_ms(model, plain_compile, args.device, args.prefill, args.reps)
     if args.hf_generate:
@@ -357,9 +362,11 @@ def run_group(makers: dict, args, results: dict) -> None:
 
 def table(results: dict, args) -> str:
     batches = args.batch
+    errors = any("errors" in r for r in results.values())  # not with --no-errors
     head = (["model", "weight MiB"] + [f"decode b{b} tok/s (ms/step, % floor, vs bf16; spread)" for b in batches]
             + ([f"prefill {args.prefill} ms"] if args.prefill else [])
-            + (["generate b1 tok/s (vs own)"] if args.hf_generate else []) + ["compiled vs eager", "vs dequant bf16"])
+            + (["generate b1 tok/s (vs own)"] if args.hf_generate else [])
+            + (["compiled vs eager", "vs dequant bf16"] if errors else []))
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     base = results.get("bf16", {})
     for name, r in results.items():
@@ -377,9 +384,10 @@ def table(results: dict, args) -> str:
         if args.hf_generate:
             g = r["hf_generate_b1"]
             cells.append(f"{g['tok_s']:.0f} ({g['vs_own_loop']:.2f})" if g["vs_own_loop"] else f"{g['tok_s']:.0f}")
-        e = r["errors"]
-        dequant = e.get("compiled_vs_dequantized_bf16")
-        cells += [f"{e['compiled_vs_eager']:.3g}", "–" if dequant is None else f"{dequant:.3g}"]
+        if errors:
+            e = r.get("errors", {})
+            cells += ["–" if e.get(k) is None else f"{e[k]:.3g}"
+                      for k in ("compiled_vs_eager", "compiled_vs_dequantized_bf16")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -161,3 +161,16 @@ def test_out_of_memory_while_building(tmp_path, monkeypatch, interleave):
         results = e2e_decode.main(argv)
         assert {name: r["error"][:15] for name, r in results.items()} == {
             "ct-w4a16 qcompile": "OutOfMemoryErro", "modelopt-fp8 qcompile": "OutOfMemoryErro"}
+
+
+def test_no_errors_skips_the_probe(tmp_path, monkeypatch):
+    """--no-errors: no logits probe (no second compile, no dequantized copy), and the table leaves its columns out."""
+    import e2e_models
+    monkeypatch.setattr(e2e_models, "logits_errors", lambda *a, **k: pytest.fail("the probe ran"))
+    out = tmp_path / "out.json"
+    e2e_decode.main(SMOKE + ["--arch", "llama", "--formats", "bf16", "ct-w4a16", "--batch", "1", "--prefill", "0",
+                             "--no-errors", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert all("errors" not in r and r["decode_b1"]["tok_s"] > 0 for r in report["results"].values())
+    table = e2e_decode.table(report["results"], e2e_decode.argparse.Namespace(**report["args"]))
+    assert "compiled vs eager" not in table and "ct-w4a16 qcompile" in table
