@@ -9,12 +9,12 @@ the low half, so that the lower index wins a tie):
 
     best = max(key);  i = E - 1 - (best & 0xFFFFFFFF);  key = where(key == best, INT64_MIN, key)
 
-one max reduction per step, then gathers the values at the picked indices. Inductor fuses the whole chain, and usually the softmax before
-it, into one kernel per router. The result is ``torch.topk``'s, sorted (largest first), with equal values in
-ascending index order (where ``topk`` leaves their order unspecified) and NaN ranked above every number (+inf
-too), as ``topk`` ranks it. It applies to floating-point ``topk`` over the last dimension with ``largest=True``,
-no ``out=``, a static last dimension ``E <= MAX_E`` and ``k <= MAX_K``, on CUDA graphs compiled by inductor;
-anything else is left alone. ``backend(small_topk=False)`` turns the pass off.
+one max reduction per step, then gathers the values at the picked indices. Inductor fuses the whole chain, and
+usually the softmax before it, into one kernel per router. The result is ``torch.topk``'s, sorted (largest first),
+with equal values in ascending index order (where ``topk`` leaves their order unspecified) and NaN ranked above
+every number (+inf too), as ``topk`` ranks it. It applies to floating-point ``topk`` over the last dimension with
+``largest=True``, no ``out=``, a static last dimension ``E <= MAX_E`` and ``k <= MAX_K``, on CUDA graphs compiled by
+inductor; anything else is left alone. ``backend(small_topk=False)`` turns the pass off.
 """
 
 from __future__ import annotations
