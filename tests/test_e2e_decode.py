@@ -5,6 +5,7 @@ alternates the decode rounds of models held together, and running out of memory 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -172,5 +173,5 @@ def test_no_errors_skips_the_probe(tmp_path, monkeypatch):
                              "--no-errors", "--json", str(out)])
     report = json.loads(out.read_text())
     assert all("errors" not in r and r["decode_b1"]["tok_s"] > 0 for r in report["results"].values())
-    table = e2e_decode.table(report["results"], e2e_decode.argparse.Namespace(**report["args"]))
+    table = e2e_decode.table(report["results"], argparse.Namespace(**report["args"]))
     assert "compiled vs eager" not in table and "ct-w4a16 qcompile" in table
