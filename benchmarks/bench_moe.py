@@ -274,12 +274,8 @@ def bench_shape(name: str, shape, tokens, replays: int, bw: float, device: str, 
 def as_loaded(spec, w13: tuple, w2: tuple, h: int, i: int) -> tuple:
     """(scheme, w13, w2) as a GPU load holds them: every expert tiled for wo_mma's grouped build where it takes
     both projections (moe_wo.tile_for_mma), else as given."""
-    zp = w13[3]
-    tiled = w13[0].is_cuda and mw.tile_for_mma(spec, w13[0], w2[0], h, i, torch.bfloat16,
-                                               zp.dtype if zp is not None else None)
-    if not tiled:
-        return spec, w13, w2
-    return tiled[0], (tiled[1], *w13[1:]), (tiled[2], *w2[1:])
+    tiled = w13[0].is_cuda and mw.tile_for_mma(spec, w13, w2, h, i, torch.bfloat16)
+    return tiled or (spec, w13, w2)
 
 
 def wo_expert_weights(spec: WeightSpec, e: int, n: int, k: int, device: str, seed: int) -> tuple:

@@ -57,7 +57,8 @@ from .kernels import experts_ref  # noqa: F401  (registers the op)
 from .kernels.experts_ref import ROLES, expert_slice
 from .linear import FLOATS, QuantLinear, _param, allowed_dtypes, release_memory
 from .kernels import quant_math
-from .scheme import Granularity, LayerQuant, ScaleDtype, disk_shape, parse_scheme_key, shape_matches
+from .scheme import (Granularity, LayerQuant, QuantScheme, ScaleDtype, canonical_shape, disk_shape,
+                     parse_scheme_key, shape_matches)
 
 log = logging.getLogger("qcompile")
 
@@ -360,17 +361,24 @@ class QuantExperts(nn.Module):
             self._tile()
 
     def _tile(self) -> bool:
-        """Permute the experts' weights into wo_mma's grouped streaming order (scheme ``tiled``); False, and
-        nothing changed, where that build does not take them."""
+        """Permute the experts' weights into wo_mma's grouped streaming order (scheme ``tiled``, K padded to whole
+        chunks with the scales and zero points); False, and nothing changed, where that build does not take
+        them."""
         from .kernels.moe_wo import tile_for_mma
 
-        zp = getattr(self, "w13_weight_zero_point", None)
-        tiled = tile_for_mma(parse_scheme_key(self.scheme_key), self.w13_weight.data, self.w2_weight.data,
-                             self.hidden_dim, self.intermediate_dim, self.dtype, zp.dtype if zp is not None else None)
+        roles = ROLES[:5]
+        held = {g: tuple(None if (t := getattr(self, f"{g}_{r}", None)) is None else t.data for r in roles)
+                for g in ("w13", "w2")}
+        tiled = tile_for_mma(parse_scheme_key(self.scheme_key), held["w13"], held["w2"], self.hidden_dim,
+                             self.intermediate_dim, self.dtype)
         if tiled is None:
             return False
         scheme, w13, w2 = tiled
-        self.w13_weight, self.w2_weight, self.scheme_key = _param(w13), _param(w2), scheme.key
+        for group, tensors in (("w13", w13), ("w2", w2)):
+            for role, t, old in zip(roles, tensors, held[group]):
+                if t is not old:  # (tiled or padded)
+                    setattr(self, f"{group}_{role}", _param(t))
+        self.scheme_key = scheme.key
         return True
 
     def _check_all_received(self) -> None:
@@ -521,8 +529,18 @@ class QuantExperts(nn.Module):
             if not entry[1]:
                 del untiled[key]
             rows = t.shape[0] // (2 if slot.group == "w13" else 1)
-            return t[slot.shard * rows:(slot.shard + 1) * rows]
-        return None if t is None else self._rows(t, slot)
+            return self._unpadded(t[slot.shard * rows:(slot.shard + 1) * rows], role, slot.group)
+        return None if t is None else self._unpadded(self._rows(t, slot), role, slot.group)
+
+    def _unpadded(self, t: torch.Tensor, role: str, group: str) -> torch.Tensor:
+        """A tiled weight's canonical ``role`` tensor of one expert's shard without the padding of K to whole
+        chunks (scheme.canonical_shape)."""
+        w = parse_scheme_key(self.scheme_key).weight
+        if not w.tiled or role not in ("weight", "weight_scale", "weight_zero_point") or t.dim() < 2:
+            return t
+        k = self.hidden_dim if group == "w13" else self.intermediate_dim
+        cols = canonical_shape(role, QuantScheme(replace(w, tiled=False)), t.shape[0], k)[-1]
+        return t[:, :cols]
 
     def _rows(self, t: torch.Tensor, slot: ExpertSlot) -> torch.Tensor:
         rows = t.shape[1] // (2 if slot.group == "w13" else 1)

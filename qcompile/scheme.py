@@ -93,6 +93,10 @@ class ScaleSpec:
         return g if self.dtype is ScaleDtype.FP32 else f"{g}:{self.dtype.value}"
 
 
+# Elements per chunk of a weight row in the tiled order, by weight bits: the k one warp of wo_mma streams per step.
+TILE_K = {4: 128, 8: 64}
+
+
 @dataclass(frozen=True)
 class WeightSpec:
     dtype: QDtype
@@ -102,12 +106,22 @@ class WeightSpec:
     zero_point: bool = False  # asymmetric: W = (q - z) * s
     act_order: bool = False  # a g_idx maps each input column to its scale group
     # The weight's words are in wo_mma's streaming order (kernels/quant_math.py: tile_weight): a
-    # permutation of the canonical [N, K/EPW] words, same shape and bytes, made once at load on GPUs.
+    # permutation of the canonical [N, K/EPW] words, made once at load on GPUs. K is stored padded to whole
+    # chunks (:meth:`stored_k`): zero words, and for the weight's scales / zero points neutral values (1.0 /
+    # 0) up to Kp / group; the pad's products are zero because the kernels read x as zeros there.
     tiled: bool = False
     # An act-order weight whose input columns were sorted by group once at load
     # (quant_math.sort_act_order): stored column j is original column g_idx[j], and column j uses
     # group j // group_size. The op computes x[:, g_idx] @ W_stored^T.
     k_sorted: bool = False
+
+    def stored_k(self, k: int) -> int:
+        """The K a weight of ``k`` input features is stored with: ``k``, or for a tiled weight ``k`` rounded up
+        to whole chunks of :data:`TILE_K` elements."""
+        if not self.tiled:
+            return k
+        c = TILE_K[self.dtype.bits]
+        return -(-k // c) * c
 
     def key(self) -> str:
         parts = [self.dtype.value, self.scale.key()]
@@ -223,6 +237,8 @@ class LayerQuant:
 def canonical_shape(role: str, scheme: QuantScheme, n: int, k: int) -> tuple[int, ...]:
     """Shape of a canonical tensor for a [n, k] linear weight (see module docstring)."""
     w = scheme.weight
+    if role != "weight_g_idx":
+        k = w.stored_k(k)
     if role == "weight":
         return (n, w.packing.storage_cols(k, w.dtype.bits))
     if role in ("weight_scale", "weight_zero_point", "unused_weight_zero_point"):

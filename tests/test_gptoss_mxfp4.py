@@ -143,20 +143,25 @@ def test_round_trips(src, tmp_path):
         assert got[key].dtype == want[key].dtype and _bytes(got[key]) == _bytes(want[key]), key
 
 
-def test_tiled_experts_round_trip(src, tmp_path):
+@pytest.mark.parametrize("hidden,inter", [(256, 256), (224, 160)])
+def test_tiled_experts_round_trip(src, tmp_path, hidden, inter):
     """A GPU load tiles the experts for wo_mma's grouped build (QuantExperts._tile, here on the CPU; a random
-    gpt-oss of hidden / intermediate 256, which that build takes): the reference runs the tiled layout exactly,
-    and saving writes the fused tensors back byte for byte."""
+    gpt-oss whose hidden / intermediate sizes are whole chunks of 128, or not, as gpt-oss's 2880: then K is stored
+    padded to 256): the reference runs the tiled layout exactly, and saving writes the fused tensors back byte
+    for byte."""
     from tests.test_moe_memory import write_gptoss
     from tests.test_roundtrip import assert_same_checkpoint
 
-    path = write_gptoss(src, tmp_path / "src", experts=4, hidden=256, inter=256)
+    path = write_gptoss(src, tmp_path / "src", experts=4, hidden=hidden, inter=inter)
     model = qcompile.load(str(path))
     x = torch.randint(3, 300, (1, 6))
     want = model(x).logits
     experts = list(experts_of(model).values())
     assert experts and all(m._tile() for m in experts)
     assert all(m.scheme_key == "w=fp4_e2m1/group32:e8m0/pack=uint8/tiled;a=none" for m in experts)
+    for m in experts:  # [E, N, K / 2] codes and [E, N, K / 32] scales, K padded to 256
+        assert m.w13_weight.shape == (4, 2 * inter, 128) and m.w13_weight_scale.shape == (4, 2 * inter, 8)
+        assert m.w2_weight.shape == (4, hidden, 128) and m.w2_weight_scale.shape == (4, hidden, 8)
     assert torch.equal(model(x).logits, want)
     model.save_pretrained(tmp_path / "saved")
     assert_same_checkpoint(path, tmp_path / "saved")

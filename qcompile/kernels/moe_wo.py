@@ -44,9 +44,10 @@ import os
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import UnsupportedError
-from ..scheme import QuantScheme, parse_scheme_key
+from ..scheme import Granularity, QuantScheme, WeightSpec, parse_scheme_key
 from .experts_ref import (ACTIVATIONS, NON_GATED, ROLES, check_call, is_gated, reference_experts,
                           register_straight_through, split_activation)
 from .fp8_quant_triton import HAS_TRITON, pdl, use_triton
@@ -129,12 +130,21 @@ def _grouped_gemm(a, a_div: int, tensors: tuple, bias, route, spec, cfg: dict, a
     """fp32 [split, pairs, N]: per routed pair p of expert e (``align``: moe_align's blocks),
     a[p // a_div] @ dequantize(w[e]).T (+ bias[e] in the first split) (x route[p])."""
     weight = tensors[0]
+    a = padded(a, spec)
     cfg = fit_config(cfg, a.shape[1], spec)
     out = torch.empty((splits(a.shape[1], cfg)[0], pairs, weight.shape[1]), dtype=torch.float32, device=a.device)
     sorted_ids, block_expert = align
     launch(a, *tensors, bias, spec, cfg, out, pairs, block_expert.numel(), ids_ptr=sorted_ids,
            experts_ptr=block_expert, route_ptr=route, A_DIV=a_div, ROUTE=route is not None)
     return out
+
+
+def padded(a: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    """``a`` [rows, K] with zero columns up to the K a tiled weight is stored with (scheme.canonical_shape), for
+    the kernels that read x as wide as the weight (the Triton GEMM, dequantize + grouped_mm); wo_mma's grouped
+    build reads the zeros itself."""
+    kp = spec.stored_k(a.shape[1])
+    return a if kp == a.shape[1] else F.pad(a, (0, kp - a.shape[1]))
 
 
 def dequantizes(x: torch.Tensor, pairs: int, experts: int, rows: int = DEQUANT_ROWS) -> bool:
@@ -177,25 +187,32 @@ def _mma_launches(x, w13: tuple, w2: tuple, b13, b2, spec, i: int, mma: dict, pa
         return wo_mma.grouped_launch(x.dtype, x.device, w[0], w[2], w[3], b, spec.weight, k, bm, active, **fixed,
                                      **fused)
 
-    l1 = (gact and launch(w13, b13, h, fixed1, gact=gact)) or launch(w13, b13, h, fixed1)
-    l2 = l1 and launch(w2, b2, i, mma.get("gemm2", {}))
+    k1, k2 = spec.weight.stored_k(h), spec.weight.stored_k(i)
+    l1 = (gact and launch(w13, b13, k1, fixed1, gact=gact)) or launch(w13, b13, k1, fixed1)
+    l2 = l1 and launch(w2, b2, k2, mma.get("gemm2", {}))
     return (l1, l2) if l2 else None
 
 
-def tile_for_mma(spec: QuantScheme, w13_weight: torch.Tensor, w2_weight: torch.Tensor, h: int, i: int,
-                 x_dtype: torch.dtype, zp_dtype: torch.dtype | None = None):
-    """(scheme, w13_weight, w2_weight) with every expert's weight permuted into the order wo_mma's grouped build
-    streams (quant_math.tile_weight per expert; scheme ``tiled``), or None where that build does not take both
-    projections (wo_mma.mma_reason) or the weights are tiled already. The Triton kernels read either order."""
+def tile_for_mma(spec: QuantScheme, w13: tuple, w2: tuple, h: int, i: int, x_dtype: torch.dtype):
+    """(scheme, w13, w2) with every expert's weight permuted into the order wo_mma's grouped build streams
+    (quant_math.tile_weight per expert; scheme ``tiled``), K of each projection padded to whole chunks where it
+    is not (quant_math.pad_to_tiles: gpt-oss's 2880), or None where that build does not take both projections
+    (wo_mma.mma_reason at the padded K) or the weights are tiled already. ``w13`` / ``w2``: each projection's
+    (weight, scale, global scale, zero point, g_idx), returned the same way. The Triton kernels read either
+    order."""
     from .wo_mma import mma_reason
 
-    if spec.weight.tiled or any(mma_reason(spec.weight, n, k, x_dtype, zp_dtype)
-                                for n, k in ((w13_weight.shape[1], h), (h, i))):
+    tiled = replace(spec.weight, tiled=True)
+    zp, g = w13[3], tiled.scale.group_size if tiled.scale.granularity is Granularity.GROUP else 1
+    if spec.weight.tiled or any(k % 8 or k % g or mma_reason(tiled, n, tiled.stored_k(k), x_dtype,
+                                                             None if zp is None else zp.dtype)
+                                for n, k in ((w13[0].shape[1], h), (h, i))):  # (x read 16 bytes wide, whole groups)
         return None
-    out = [QuantScheme(replace(spec.weight, tiled=True), spec.act)]
-    for w in (w13_weight, w2_weight):
+    out = [QuantScheme(tiled, spec.act)]
+    for tensors, k in ((w13, h), (w2, i)):
+        w, *rest = quant_math.pad_to_tiles(tuple(tensors), tiled, k)
         e, n = w.shape[:2]
-        out.append(quant_math.tile_weight(w.reshape(e * n, -1), spec.weight).reshape(w.shape))
+        out.append((quant_math.tile_weight(w.reshape(e * n, -1), tiled).reshape(w.shape), *rest))
     return tuple(out)
 
 
@@ -278,6 +295,7 @@ def _dequantized_experts(x, a_div: int, flat_ids, route, w13: tuple, w2: tuple, 
     ends, sorted_expert = ends.to(torch.int32), sorted_expert.clamp(max=e - 1)
 
     def gemm(a, tensors, k, bias):
+        a, k = padded(a, spec.weight), spec.weight.stored_k(k)
         w = dequantize_triton(*tensors[:2], spec.weight, tensors[2], tensors[3], tensors[4], k, torch.bfloat16)
         y = torch._grouped_mm(a, w.transpose(1, 2), offs=ends).float()
         return y if bias is None else y + bias[sorted_expert].float()

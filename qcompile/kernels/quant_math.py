@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from ..scheme import ActSpec, Granularity, Packing, QDtype, ScaleDtype, WeightSpec
+from ..scheme import TILE_K, ActSpec, Granularity, Packing, QDtype, ScaleDtype, WeightSpec
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -153,8 +153,8 @@ def _permute_nibbles(words: torch.Tensor, source: torch.Tensor, to_pairs: bool) 
     return words
 
 
-# Elements per chunk of a row in the tiled order: the k that one warp's 32 lanes stream per step (wo_mma's KPC).
-TILE_K = {4: 128, 8: 64}
+# TILE_K (scheme.py): elements per chunk of a row in the tiled order, the k one warp's 32 lanes stream per step
+# (wo_mma's KPC).
 
 
 def tiles_natural(spec: WeightSpec) -> bool:
@@ -215,6 +215,30 @@ def tile_words(weight: torch.Tensor, bits: int, natural: bool = False) -> torch.
 def tile_weight(weight: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
     """:func:`tile_words` of a stored weight in the order its spec runs in (:func:`tiles_natural`)."""
     return tile_words(weight, spec.dtype.bits, tiles_natural(spec))
+
+
+def pad_to_tiles(tensors: tuple, spec: WeightSpec, k: int) -> tuple:
+    """The canonical (weight, scale, global scale, zero point, g_idx) of a weight with ``k`` input features
+    (stacked over experts or not) with K padded to ``spec.stored_k(k)`` for tiling (``spec`` the tiled spec;
+    scheme.canonical_shape): zero weight words, group scales 1.0 in their dtype, zero points 0. Tensors that
+    need no padding are returned as they are."""
+    weight, scale, gs, zp, g_idx = tensors
+    kp = spec.stored_k(k)
+    if kp == k:
+        return tensors
+
+    def pad(t, cols, fill):
+        if t is None or t.shape[-1] >= cols:
+            return t
+        extra = torch.full((*t.shape[:-1], cols - t.shape[-1]), fill, dtype=torch.float32, device=t.device)
+        return torch.cat((t, extra.to(t.dtype)), dim=-1)
+
+    weight = pad(weight, spec.packing.storage_cols(kp, spec.dtype.bits), 0)
+    if spec.scale.granularity is Granularity.GROUP:
+        cols = -(-kp // spec.scale.group_size)
+        one = 127 if spec.scale.dtype is ScaleDtype.E8M0 else 1.0
+        scale, zp = pad(scale, cols, one), pad(zp, cols, 0)
+    return weight, scale, gs, zp, g_idx
 
 
 def untile_weight(weight: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
@@ -302,16 +326,16 @@ def pack_fp6(codes: torch.Tensor) -> torch.Tensor:
 
 def decode_weight_codes(weight: torch.Tensor, spec: WeightSpec, k: int) -> torch.Tensor:
     """Element values (before scales) of a stored weight, fp32 [N, K]."""
-    if spec.tiled:
+    if spec.tiled:  # (K padded to whole chunks: the codes past k are dropped)
         weight = untile_weight(weight, spec)
     if spec.packing is Packing.INT32:
         return unpack_int32(weight, spec.dtype.bits, k).float()
     if spec.packing is Packing.UINT8 and spec.dtype is QDtype.FP4_E2M1:
-        return unpack_e2m1(weight)
+        return unpack_e2m1(weight)[:, :k]
     if spec.packing is Packing.UINT8_FP6 and spec.dtype in (QDtype.FP6_E2M3, QDtype.FP6_E3M2):
         return unpack_fp6(weight, spec.dtype)
     if spec.packing is Packing.NONE:
-        return weight.float()
+        return weight[:, :k].float()
     raise NotImplementedError(f"reference decoding of {spec.dtype.value} weights packed as {spec.packing.value}")
 
 

@@ -846,7 +846,7 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
 #elif GROUPED  // the token sort's blocks, router weights, x rows per pair and the per-expert strides (elements)
 #define WO_MMA_TAIL , const int* __restrict__ sids, const int* __restrict__ bexp, const void* __restrict__ route, \
     int pairs, int adiv, long long wse, int sse, int zse, int rh, int direct, int nexp, int ready, \
-    float alpha, float limit
+    float alpha, float limit, int kx
 #else
 #define WO_MMA_TAIL
 #endif
@@ -886,13 +886,15 @@ WO_MMA_KERNEL {
   if (threadIdx.x < MT * 8)
     gpair[threadIdx.x] = direct ? (threadIdx.x ? pairs : (int)blockIdx.z) : sids[blockIdx.z * (MT * 8) + threadIdx.x];
   __syncthreads();
-#define X_ROW(m) (gpair[m] < pairs ? x + (size_t)(gpair[m] / adiv) * K : (const u16*)0)
+#define X_ROW(m) (gpair[m] < pairs ? x + (size_t)(gpair[m] / adiv) * kx : (const u16*)0)
+#define X_IN(col) ((col) < kx)  // x's rows hold kx <= K columns (K padded to whole chunks): zeros past them
 #else
   const int* gpair = 0;
   const int pairs = 0;
   const void* route = 0;
   const int rh = 0;
 #define X_ROW(m) (x + (size_t)(m) * K)
+#define X_IN(col) true
 #endif
   const int tile = warp / KW * RT;  // this warp's first tile in the CTA
 #if GACT  // tiles 0 .. TPC/2 - 1: gate rows; the others: the same rows of the up half (N / 2 on)
@@ -1016,7 +1018,8 @@ WO_MMA_KERNEL {
     for (int i = threadIdx.x; i < M * (ks / 8); i += WARPS * 32) {
       const int m = i / (ks / 8), gu = i - m * (ks / 8), n = gu % upc;
       const u16* xr = X_ROW(m);
-      const U4 v = xr ? *(const U4*)(xr + (size_t)c0 * KPC + gu * 8) : U4{{0u, 0u, 0u, 0u}};
+      const int col = c0 * KPC + gu * 8;
+      const U4 v = xr && X_IN(col) ? *(const U4*)(xr + col) : U4{{0u, 0u, 0u, 0u}};
       const u32 dst = base + m * rs + (gu / upc) * X_CS;
 #pragma unroll
       for (int qq = 0; qq < 4; qq++)
@@ -1026,7 +1029,8 @@ WO_MMA_KERNEL {
     for (int i = threadIdx.x; i < M * (ks / 8); i += WARPS * 32) {
       const int m = i / (ks / 8), gu = i - m * (ks / 8);
       const u16* xr = X_ROW(m);
-      const U4 v = xr ? x_unit_order(*(const U4*)(xr + (size_t)c0 * KPC + gu * 8)) : U4{{0u, 0u, 0u, 0u}};
+      const int col = c0 * KPC + gu * 8;
+      const U4 v = xr && X_IN(col) ? x_unit_order(*(const U4*)(xr + col)) : U4{{0u, 0u, 0u, 0u}};
       const u32 off = (gu / upc) * X_CS + x_unit_off(gu % upc);
       asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(base + m * rs + off),
                    "r"(v.v[0]), "r"(v.v[1]), "r"(v.v[2]), "r"(v.v[3]));
@@ -1235,6 +1239,7 @@ WO_MMA_KERNEL {
   store_out(acc, owner, tile, n0, gs, bias, out, part, counters, M, N, xs, gpair, pairs, route, rh);
 #endif
 #undef X_ROW
+#undef X_IN
 }
 #else  // WS
 // x [M, K] -> xp: for each chunk, x as the wgmma build's B operand (XBUF bytes, see x_transform),

@@ -251,7 +251,8 @@ def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, globa
     complete before the previous kernel of the stream began (it was launched without PDL), so the kernel requests
     its weights before waiting for that kernel."""
     e, n, _ = weight.shape
-    k = a.shape[1]
+    kx = a.shape[1]
+    k = spec.stored_k(kx)  # (a tiled weight's K padded to whole chunks: x is read as zeros past kx)
     cfg = launch.cfg
     direct = isinstance(align, torch.Tensor)
     blocks = align.numel() if direct else align[1].numel()
@@ -276,7 +277,7 @@ def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, globa
                                  b if b is not None else rows, rows, rows, rows, cfg.mt * 8, n, k, ss, launch.cps,
                                  sorted_ids, block_expert, route, pairs, a_div, ctypes.c_longlong(w.numel() // e),
                                  s.numel() // e, z.numel() // e if z is not None else 0, rh, mode, e, int(ready),
-                                 ctypes.c_float(alpha), ctypes.c_float(limit)])
+                                 ctypes.c_float(alpha), ctypes.c_float(limit), kx])
     return rows
 
 

@@ -474,11 +474,14 @@ CASES.update({
     "nvfp4-tail-dequant-grouped-mm": ("nvfp4", dict(t=6, **TAIL), dict(dequant_rows=0)),
 })
 
+PADDED = ("mxfp4", "nvfp4", "int4_g32")  # formats tiled with K padded to whole chunks (interpreter and GPU tests)
+
 INTERPRETER_SCRIPT = textwrap.dedent(r"""
     import json, os, time, torch
     assert os.environ["TRITON_INTERPRET"] == "1"
     from qcompile.kernels import moe_wo as mw, quant_math as qm, wo_gemm as wg
-    from tests.kernels.test_moe_wo import CASES, W_ROLES, TENSORS, checkpoint_moe, make_moe, op_call, reference, compare
+    from tests.kernels.test_moe_wo import (CASES, PADDED, W_ROLES, TENSORS, checkpoint_moe, make_moe, op_call,
+                                           reference, compare)
     assert mw.use_triton(torch.empty(1)), "interpreter not active"
     t0, res = time.time(), {"cases": {}}
     for name, (fmt, kw, extra) in CASES.items():
@@ -497,6 +500,18 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
     res["op_triton"] = dict(compare(out.view(4, -1), reference(args)), shape=list(out.shape))
     args = make_moe("mxfp4", t=4, h=192, i=160)  # K not a multiple of BLOCK_K: the op's checks let it through
     res["op_triton_tail"] = compare(torch.ops.qcompile.wo_moe(*op_call(args, "triton")), reference(args))
+    # experts tiled as a GPU load stores them, K not whole chunks (padded to 256): the Triton GEMMs and the
+    # dequantize path read x and the activations padded with zeros
+    for fmt in PADDED:
+        args = make_moe(fmt, t=4, h=192, i=160, bias=True)
+        spec = mw.parse_scheme_key(args["scheme"])
+        w13, w2 = (tuple(args[f"{p}_{r}"] for r in W_ROLES) for p in ("w13", "w2"))
+        scheme, w13, w2 = mw.tile_for_mma(spec, w13, w2, 192, 160, torch.bfloat16)
+        for route, extra in (("triton", {}), ("dequant", dict(dequant_rows=0))):
+            out = mw.wo_moe_triton(args["hidden_states"], args["top_k_index"], args["top_k_weights"], w13, w2,
+                                   args["w13_bias"], args["w2_bias"], args["activation"], scheme, False, **extra)
+            res[f"padded-{fmt}-{route}"] = dict(compare(out, reference(args)), finite=bool(out.isfinite().all()),
+                                                k=[w13[0].shape[-1], w2[0].shape[-1]], scheme=scheme.key)
     # the stacked dequantize kernel is quant_math per expert, bit for bit
     for fmt, i in (("int4_g32_actorder", 128), ("nvfp4", 128), ("int8_tensor_zp", 128), ("mxfp8", 128),
                    ("mxfp4", 160), ("nvfp4", 160), ("int4_g32_actorder", 160)):  # 160: a partial last block
@@ -540,6 +555,17 @@ def test_op_triton_backend_under_interpreter(interpreter_results):
     assert got["shape"] == [2, 2, 128] and got["worst"] <= 1 and got["rel"] <= 1, got
     got = interpreter_results["op_triton_tail"]  # H = 192, I = 160
     assert got["worst"] <= 1 and got["rel"] <= 1, got
+
+
+@pytest.mark.parametrize("route", ["triton", "dequant"])
+@pytest.mark.parametrize("fmt", PADDED)
+def test_padded_tiled_experts_under_interpreter(interpreter_results, fmt, route):
+    """Experts tiled with K (H = 192, I = 160) padded to whole chunks of 128 (moe_wo.tile_for_mma), through the
+    Triton GEMMs and the dequantize path: experts_ref's math on the unpadded experts, within ``compare``'s bound."""
+    got = interpreter_results[f"padded-{fmt}-{route}"]
+    want_k = [256 // 8 if fmt == "int4_g32" else 256 // 2] * 2  # int32 words / e2m1 bytes of K = 256
+    assert got["k"] == want_k and got["scheme"].endswith("/tiled;a=none"), got
+    assert got["finite"] and got["worst"] <= 1 and got["rel"] <= 1, got
 
 
 def test_producer_act_order_experts_under_interpreter(interpreter_results):
@@ -663,16 +689,16 @@ def check_gpu(out: torch.Tensor, args: dict, tag: str, on_input: bool = False) -
 def projections(args: dict, scheme: QuantScheme) -> tuple[tuple, tuple]:
     """(w13, w2): each projection's tensors of ``args`` in :data:`W_ROLES` order, the weights tiled per expert
     where ``scheme``'s weight is, by the load's own transform (moe_wo.tile_for_mma)."""
-    w13, w2 = ([args[f"{p}_{r}"] for r in W_ROLES] for p in ("w13", "w2"))
+    w13, w2 = (tuple(args[f"{p}_{r}"] for r in W_ROLES) for p in ("w13", "w2"))
     if scheme.weight.tiled:
-        x, zp = args["hidden_states"], args["w13_weight_zero_point"]
+        x = args["hidden_states"]
         n1 = w13[0].shape[1]
         i = n1 // 2 if mw.is_gated(args["activation"]) else n1
-        tiled = mw.tile_for_mma(QuantScheme(dataclasses.replace(scheme.weight, tiled=False), scheme.act), w13[0],
-                                w2[0], x.shape[-1], i, x.dtype, None if zp is None else zp.dtype)
+        tiled = mw.tile_for_mma(QuantScheme(dataclasses.replace(scheme.weight, tiled=False), scheme.act), w13, w2,
+                                x.shape[-1], i, x.dtype)
         assert tiled is not None and tiled[0].key == scheme.key, scheme.key
-        w13[0], w2[0] = tiled[1:]
-    return tuple(w13), tuple(w2)
+        w13, w2 = tiled[1:]
+    return w13, w2
 
 
 @pytest.mark.gpu
@@ -733,14 +759,19 @@ def test_gpu_grouped_mma_matches_reference(fmt):
     load stores them), against experts_ref: decode token counts, more pairs of one expert than a block holds
     (T = 40), biases, fp16 x, swigluoai, the router weight on the input, router weights in x's dtype, int32 ids and
     another rank's expert ids (one token: its pairs' blocks come from the ids themselves, no sort). Both
-    projections have a launch at these shapes (gpt-oss's K = 2880: 8-bit weights with groups dividing it)."""
+    projections have a launch at these shapes, gpt-oss's K = 2880 (22.5 chunks of 128) in the checkpoint's order
+    for 8-bit weights with groups dividing it, tiled with K padded to 2944 for every format whose groups divide
+    it."""
     mx = FORMATS[fmt].scale.dtype.name == "E8M0"
     cases = [(1, {}, False), (5, dict(bias=True), False), (40, dict(activation="swigluoai:1.702:7.0", bias=True),
              False), (7, {}, True)] + ([] if mx else [(16, dict(dtype=torch.float16, bias=True), False)]) + \
         [(1, dict(bias=True), False)]
     spec = FORMATS[fmt]
     for name, shape in GPU_SHAPES.items():
-        if any(mma_reason(spec, 0, kk) for kk in shape[1:3]):
+        layouts = [tiled for tiled in (False, True) if not any(  # (K in whole groups: int4 g128 not at 2880)
+            mw.triton_shape_reason(spec, 0, kk) or mma_reason(w := dataclasses.replace(spec, tiled=tiled), 0,
+                                                              w.stored_k(kk)) for kk in shape[1:3])]
+        if not layouts:
             continue
         for seed, (t, kw, on_input) in enumerate(cases):
             args = gpu_moe(fmt, t, shape, seed=seed, **kw)
@@ -753,7 +784,7 @@ def test_gpu_grouped_mma_matches_reference(fmt):
                 args["top_k_index"] = args["top_k_index"].int()
             x, ids = args["hidden_states"], args["top_k_index"]
             b = (args["w13_bias"], args["w2_bias"])
-            for bm, tiled in itertools.product(mw.MMA_BLOCK_M, (False, True)):
+            for bm, tiled in itertools.product(mw.MMA_BLOCK_M, layouts):
                 s = QuantScheme(dataclasses.replace(spec, tiled=tiled))
                 w13, w2 = projections(args, s)
                 mma = {"block_m": bm}
