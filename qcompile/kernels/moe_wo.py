@@ -141,8 +141,8 @@ def _grouped_gemm(a, a_div: int, tensors: tuple, bias, route, spec, cfg: dict, a
 
 def padded(a: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
     """``a`` [rows, K] with zero columns up to the K a tiled weight is stored with (scheme.canonical_shape), for
-    the kernels that read x as wide as the weight (the Triton GEMM, dequantize + grouped_mm); wo_mma's grouped
-    build reads the zeros itself."""
+    the Triton GEMM, which reads x as wide as the weight; wo_mma's grouped build reads the zeros itself, the
+    dequantize path multiplies the dequantized weight's first K columns."""
     kp = spec.stored_k(a.shape[1])
     return a if kp == a.shape[1] else F.pad(a, (0, kp - a.shape[1]))
 
@@ -295,8 +295,8 @@ def _dequantized_experts(x, a_div: int, flat_ids, route, w13: tuple, w2: tuple, 
     ends, sorted_expert = ends.to(torch.int32), sorted_expert.clamp(max=e - 1)
 
     def gemm(a, tensors, k, bias):
-        a, k = padded(a, spec.weight), spec.weight.stored_k(k)
-        w = dequantize_triton(*tensors[:2], spec.weight, tensors[2], tensors[3], tensors[4], k, torch.bfloat16)
+        w = dequantize_triton(*tensors[:2], spec.weight, tensors[2], tensors[3], tensors[4], spec.weight.stored_k(k),
+                              torch.bfloat16)[..., :k]  # (a tiled weight's padded K: its first k columns)
         y = torch._grouped_mm(a, w.transpose(1, 2), offs=ends).float()
         return y if bias is None else y + bias[sorted_expert].float()
 

@@ -796,6 +796,24 @@ def test_gpu_grouped_mma_matches_reference(fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_padded_experts_every_route(fmt):
+    """gpt-oss's K = 2880 in 4-bit, tiled with K padded to 2944 as a GPU load stores it, through each route of the
+    op: wo_mma's grouped build, the Triton GEMMs (x and the activations padded with zeros) and the dequantize path
+    (the dequantized weights' first K columns), against experts_ref on the unpadded experts."""
+    shape = GPU_SHAPES["e8-h2880-i2880-k4"]
+    s = QuantScheme(dataclasses.replace(FORMATS[fmt], tiled=True))
+    for t, route in ((4, dict(mma={"block_m": 8})), (64, {}), (512, dict(dequant_rows=0))):
+        args = gpu_moe(fmt, t, shape, seed=t, bias=True)
+        w13, w2 = projections(args, s)
+        assert w13[0].shape[-1] * 2 == 2944 and w2[0].shape[-1] * 2 == 2944, (w13[0].shape, w2[0].shape)
+        out = mw.wo_moe_triton(args["hidden_states"], args["top_k_index"], args["top_k_weights"], w13, w2,
+                               args["w13_bias"], args["w2_bias"], args["activation"], s, False, **route)
+        check_gpu(out, args, f"{fmt} T={t} {route}")
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4_g128", "nvfp4"])
 def test_gpu_grouped_mma_shared_tiles_match_reference(fmt):
     """The grouped build with the tuner's kw (warps per 16-row tile), rt (tiles per warp) and trig (the next kernel
