@@ -37,8 +37,9 @@ from qcompile.kernels import registry
 from qcompile.kernels.experts_ref import reference_experts
 from qcompile.kernels.registry import KernelQuery
 from qcompile.kernels.wo_mma import mma_reason
+from qcompile.kernels import quant_math
 from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, Granularity, Packing, QDtype,
-                             QuantScheme, fp8_scheme, mx_act)
+                             QuantScheme, ScaleDtype, canonical_shape, fp8_scheme, mx_act)
 from tests.kernels.test_wo_gemm import SPECS, _int, rtn_quantize
 from tests.gpu_util import graph_replay
 from tests.opcheck_util import opcheck
@@ -500,8 +501,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
     res["op_triton"] = dict(compare(out.view(4, -1), reference(args)), shape=list(out.shape))
     args = make_moe("mxfp4", t=4, h=192, i=160)  # K not a multiple of BLOCK_K: the op's checks let it through
     res["op_triton_tail"] = compare(torch.ops.qcompile.wo_moe(*op_call(args, "triton")), reference(args))
-    # experts tiled as a GPU load stores them, K not whole chunks (padded to 256): the Triton GEMMs and the
-    # dequantize path read x and the activations padded with zeros
+    # experts tiled as a GPU load stores them, K not whole chunks (padded to 256): the Triton GEMMs read x and the
+    # activations padded with zeros, the dequantize path the dequantized weights' first K columns
     for fmt in PADDED:
         args = make_moe(fmt, t=4, h=192, i=160, bias=True)
         spec = mw.parse_scheme_key(args["scheme"])
@@ -555,6 +556,38 @@ def test_op_triton_backend_under_interpreter(interpreter_results):
     assert got["shape"] == [2, 2, 128] and got["worst"] <= 1 and got["rel"] <= 1, got
     got = interpreter_results["op_triton_tail"]  # H = 192, I = 160
     assert got["worst"] <= 1 and got["rel"] <= 1, got
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "int4_g32_zp"])
+def test_tiling_pads_k_to_whole_chunks(fmt, monkeypatch):
+    """gpt-oss's K = 2880 (22.5 chunks of 128) tiled as a GPU load stores it: every tensor in the tiled scheme's
+    canonical shape (K = 2944), the pad's words zero, its group scales 1.0 and zero points 0, and the tiled
+    experts decode to the checkpoint's values exactly (quant_math.dequantize_weight, the reference's decode)."""
+    monkeypatch.setitem(FORMATS, "int4_g32_zp", _int(QDtype.INT4, Granularity.GROUP, 32, zero_point=True))
+    spec = FORMATS[fmt]
+    h = i = 2880
+    args = make_moe(fmt, t=1, e=2, h=h, i=i)
+    w13, w2 = (tuple(args[f"{p}_{r}"] for r in W_ROLES) for p in ("w13", "w2"))
+    scheme, t13, t2 = mw.tile_for_mma(QuantScheme(spec), w13, w2, h, i, torch.bfloat16)
+    assert scheme.weight.tiled and scheme.weight.stored_k(2880) == 2944
+    for before, after, (n, k) in ((w13, t13, (2 * i, h)), (w2, t2, (h, i))):
+        for role, a in zip(W_ROLES, after):
+            if a is not None and role != "weight_global_scale":
+                assert tuple(a.shape[1:]) == canonical_shape(role, scheme, n, k), (role, a.shape)
+        groups = -(-2880 // spec.scale.group_size)
+        one = 127 if spec.scale.dtype is ScaleDtype.E8M0 else 1.0
+        assert bool((after[1][..., groups:].float() == one).all())
+        if after[3] is not None:
+            assert bool((after[3][..., groups:] == 0).all())
+        untiled = quant_math.untile_weight(after[0].reshape(2 * n, -1), scheme.weight).reshape(after[0].shape)
+        cols = canonical_shape("weight", QuantScheme(spec), n, k)[-1]
+        assert bool((untiled[..., cols:].view(torch.uint8) == 0).all())
+        for e in range(2):
+            got = quant_math.dequantize_weight(*(None if v is None else v[e] for v in after[:2]), scheme.weight,
+                                               *(None if v is None else v[e] for v in after[2:]), k=k)
+            want = quant_math.dequantize_weight(*(None if v is None else v[e] for v in before[:2]), spec,
+                                                *(None if v is None else v[e] for v in before[2:]), k=k)
+            assert got.shape == (n, k) and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("route", ["triton", "dequant"])
