@@ -188,8 +188,9 @@ def _mma_launches(x, w13: tuple, w2: tuple, b13, b2, spec, i: int, mma: dict, pa
                                      **fused)
 
     k1, k2 = spec.weight.stored_k(h), spec.weight.stored_k(i)
-    l1 = (gact and launch(w13, b13, k1, fixed1, gact=gact)) or launch(w13, b13, k1, fixed1)
-    l2 = l1 and launch(w2, b2, k2, mma.get("gemm2", {}))
+    pad1, pad2 = k1 != h, k2 != i  # (x's rows narrower than the padded K)
+    l1 = (gact and launch(w13, b13, k1, fixed1, gact=gact, xpad=pad1)) or launch(w13, b13, k1, fixed1, xpad=pad1)
+    l2 = l1 and launch(w2, b2, k2, mma.get("gemm2", {}), xpad=pad2)
     return (l1, l2) if l2 else None
 
 

@@ -66,7 +66,8 @@
 // (x chunks in flight, wgmma), MINB (CTAs per SM the registers must allow), WS (the warp-specialized
 // build), NSTG (its weight slots), KW (warps per 16-row tile), RT (16-row tiles per warp), XF16 (fp16 x
 // and output), XS (x streamed through a ring in the mma.sync build), GROUPED (the MoE experts' launch), GACT
-// (GROUPED: the gated activation fused, 1 silu, 2 gelu tanh, 4 swigluoai, 5 gelu).
+// (GROUPED: the gated activation fused, 1 silu, 2 gelu tanh, 4 swigluoai, 5 gelu), XPAD (GROUPED: x's rows hold
+// kx < K columns, K padded to whole chunks; zeros past them).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -128,6 +129,12 @@ typedef unsigned short u16;
 #endif
 #ifndef GACT
 #define GACT 0
+#endif
+#ifndef XPAD
+#define XPAD 0
+#endif
+#if XPAD && !GROUPED
+#error "XPAD: the grouped build"
 #endif
 #if GACT && (!GROUPED || (WARPS / KW) % 2)
 #error "GACT: the grouped build with an even number of tile groups (half gate, half up tiles)"
@@ -886,8 +893,13 @@ WO_MMA_KERNEL {
   if (threadIdx.x < MT * 8)
     gpair[threadIdx.x] = direct ? (threadIdx.x ? pairs : (int)blockIdx.z) : sids[blockIdx.z * (MT * 8) + threadIdx.x];
   __syncthreads();
+#if XPAD  // x's rows hold kx < K columns (the weight's K padded to whole chunks): zeros past them
 #define X_ROW(m) (gpair[m] < pairs ? x + (size_t)(gpair[m] / adiv) * kx : (const u16*)0)
-#define X_IN(col) ((col) < kx)  // x's rows hold kx <= K columns (K padded to whole chunks): zeros past them
+#define X_IN(col) ((col) < kx)
+#else
+#define X_ROW(m) (gpair[m] < pairs ? x + (size_t)(gpair[m] / adiv) * K : (const u16*)0)
+#define X_IN(col) true
+#endif
 #else
   const int* gpair = 0;
   const int pairs = 0;

@@ -38,7 +38,7 @@ ZP_TYPES = {torch.int32: "int", torch.int8: "signed char", torch.uint8: "unsigne
 _DEFINES = dict(fmt="FMT", sk="SK", smode="SMODE", group="GROUP", has_zp="HAS_ZP", zp_t="ZP_T", has_gs="HAS_GS",
                 has_bias="HAS_BIAS", mt="MT", stages="STAGES", warps="WARPS", packed="PACKED", cluster="CLUSTER",
                 pdl="PDL", wgmma="WGMMA", xstages="XSTAGES", minb="MINB", ws="WS", nstg="NSTG", trig="TRIG",
-                kw="KW", rt="RT", xf16="XF16", xs="XS", grouped="GROUPED", gact="GACT")
+                kw="KW", rt="RT", xf16="XF16", xs="XS", grouped="GROUPED", gact="GACT", xpad="XPAD")
 
 
 def defines(cfg: MmaConfig) -> str:
@@ -254,6 +254,8 @@ def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, globa
     kx = a.shape[1]
     k = spec.stored_k(kx)  # (a tiled weight's K padded to whole chunks: x is read as zeros past kx)
     cfg = launch.cfg
+    if cfg.xpad != (k != kx):
+        raise ValueError(f"wo_mma: a launch {'with' if cfg.xpad else 'without'} xpad for x of {kx} columns and K = {k}")
     direct = isinstance(align, torch.Tensor)
     blocks = align.numel() if direct else align[1].numel()
     rows = torch.empty((pairs, n // 2 if cfg.gact else n), dtype=a.dtype if cfg.gact else torch.float32,

@@ -117,6 +117,7 @@ class MmaConfig:
     xs: bool = False  # mma.sync, sm_90: x streamed through a ring of `xstages` chunks per K part, not staged first
     grouped: bool = False  # mma.sync, x staged: an MoE layer's routed experts, one token-sort block per grid z
     gact: int = 0  # grouped: the gated activation fused (moe_wo.ACT_CODES: the gate tiles and the up tiles in a CTA)
+    xpad: bool = False  # grouped: x's rows narrower than K (a tiled weight's K padded to whole chunks), zeros past them
 
     @property
     def bits(self) -> int:
@@ -552,7 +553,7 @@ GROUPED_WARPS_PER_SM = 64
 @functools.lru_cache(maxsize=None)  # asked on every call of the MoE op
 def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | None = None, split: int | None = None,
                    max_cluster: int = MAX_CLUSTER, kw: int = 1, rt: int = 1, gact: int = 0,
-                   trig: bool = False) -> MmaLaunch | None:
+                   trig: bool = False, xpad: bool = False) -> MmaLaunch | None:
     """The launch of the grouped (MoE experts) mma.sync build for blocks of ``call.m`` pair slots of one expert each,
     about ``active`` of them busy: :data:`MMA_WARPS` warps per CTA and the split that gives the active blocks
     :data:`GROUPED_WARPS_PER_SM` warps per SM (:func:`plan` over their ``active * N`` rows), at most ``max_cluster``
@@ -562,8 +563,9 @@ def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | No
     refinements; None where ``kw`` does not divide the warps). ``gact`` (an activation code) fuses the gated activation
     (None where the tile groups are odd or N / 2 is not a multiple of 16). ``trig`` (with PDL): the next kernel may
     launch once this one's CTAs have their block (after its griddepcontrol.wait), not after their main loop, so that
-    its CTAs request their weights beside this one's. Its grid's third dimension is the token sort's block count,
-    given at the launch."""
+    its CTAs request their weights beside this one's. ``xpad``: x's rows are narrower than ``call.k`` (the weight's K
+    padded to whole chunks; the build reads zeros past them). Its grid's third dimension is the token sort's block
+    count, given at the launch."""
     spec, m, n, k = call.spec, call.m, call.n, call.k
     stages = LAUNCH[spec.tiled][0]
     bits, warps, most = spec.dtype.bits, warps or MMA_WARPS, max_cluster if gpu.capability[0] >= 9 else 1
@@ -581,7 +583,7 @@ def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | No
     cfg = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, call.zp_t is not None,
                     call.zp_t or "int", call.has_gs, call.has_bias, -(-m // 8), stages, warps, spec.tiled,
                     cluster=split if split > 1 else 1, pdl=pdl, trig=trig and pdl, xf16=call.xf16, grouped=True, kw=kw,
-                    rt=rt, gact=gact)
+                    rt=rt, gact=gact, xpad=xpad)
     return MmaLaunch(cfg, -(-(n // 16) // cfg.tiles), split, cps, smem_bytes(m, cps, cfg))
 
 

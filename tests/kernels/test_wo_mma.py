@@ -374,8 +374,8 @@ def test_source_compiles_x_streamed(name):
 @pytest.mark.parametrize("name", MMA_NAMES)
 def test_source_compiles_grouped(name):
     """The MoE experts' grouped build: one or two token tiles, a split in a cluster or none, checkpoint-order
-    and tiled words, float zero points, every gated activation fused; refused with x streamed, and the activation
-    with an odd number of tile groups."""
+    and tiled words, float zero points, every gated activation fused, x rows narrower than a padded K (XPAD);
+    refused with x streamed, the activation with an odd number of tile groups, and XPAD outside the grouped build."""
     spec = SPECS[name]
     smode, group = wo_policy.scale_mode(spec)
     cfg = wo_policy.MmaConfig(wo_policy.FMT[(spec.dtype, spec.packing)], wo_policy.SK[spec.scale.dtype], smode, group,
@@ -383,12 +383,15 @@ def test_source_compiles_grouped(name):
     two = replace(cfg, mt=2, cluster=4, packed=True)
     fused = [replace(c, gact=a) for c in (cfg, two) for a in (1, 2, 4, 5)]
     trig = [replace(cfg, trig=True), replace(two, gact=1, trig=True)]  # the next kernel launched from the start
-    for c in [cfg, two, replace(cfg, gact=1, kw=2, rt=2)] + fused + trig:
+    xpad = [replace(two, xpad=True), replace(two, gact=4, xpad=True)]
+    for c in [cfg, two, replace(cfg, gact=1, kw=2, rt=2)] + fused + trig + xpad:
         assert wo_mma.compile_cubin(wo_mma.source(c), "90")[:4] == b"\x7fELF", c
     with pytest.raises(RuntimeError, match="GROUPED: the mma.sync build with x staged"):
         wo_mma.compile_cubin(wo_mma.source(replace(cfg, xs=True, packed=True)), "90")
     with pytest.raises(RuntimeError, match="GACT: the grouped build with an even number of tile groups"):
         wo_mma.compile_cubin(wo_mma.source(replace(cfg, gact=1, warps=4, kw=4)), "90")
+    with pytest.raises(RuntimeError, match="XPAD: the grouped build"):
+        wo_mma.compile_cubin(wo_mma.source(replace(cfg, grouped=False, xpad=True)), "90")
 
 
 def test_operands_as_the_kernel_reads_them():
