@@ -8,6 +8,7 @@ per GPU name), the shipped ``TUNED`` table (per compute capability, e.g. ``sm_90
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -47,7 +48,10 @@ class MoeQuant:
 
     @property
     def kind(self) -> str:
-        return "int8" if self.int8 else "fp8_block" if self.per_step else "fp8"
+        """The launch tables' name of the scheme: element type, per-step scales, static activation scales
+        (a program that quantizes dynamic activations itself first reads their amax: other launches win)."""
+        base = "int8" if self.int8 else "fp8_block" if self.per_step else "fp8"
+        return base + ("_static" if self.a_static else "")
 
 
 def moe_quant(scheme: str) -> MoeQuant:
@@ -115,34 +119,48 @@ _G = GemmConfig
 # Winners of :func:`tune` on an H100 (their times against the rule's: docs/kernels-moe.md, "Launch configurations").
 _SM90 = {
     "fp8/E128/H2048/I768/k8/T1":
-        MoeConfig(16, True, _G(64, 256, 1, 4, 4, True, False), _G(64, 256, 1, 4, 5, True, False), False),
-    "fp8/E128/H2048/I768/k8/T16":
-        MoeConfig(16, True, _G(64, 128, 1, 4, 5, True, False), _G(64, 128, 1, 4, 3, True, False), False),
+        MoeConfig(1, True, _G(16, 1024, 1, 4, 2, True, True), _G(16, 256, 1, 4, 2, True, True), False),
     "fp8/E128/H2048/I768/k8/T2":
-        MoeConfig(16, True, _G(32, 128, 1, 4, 4, True, False), _G(64, 128, 1, 4, 3, True, False), False),
+        MoeConfig(1, True, _G(32, 512, 1, 4, 1, True, True), _G(16, 512, 1, 4, 4, True, True), False),
     "fp8/E128/H2048/I768/k8/T4":
-        MoeConfig(16, True, _G(64, 128, 1, 4, 3, True, False), _G(64, 128, 1, 4, 4, True, False), False),
+        MoeConfig(16, True, _G(64, 256, 1, 4, 2, True, False), _G(64, 128, 1, 4, 4, True, False), False),
     "fp8/E128/H2048/I768/k8/T8":
-        MoeConfig(16, True, _G(64, 128, 1, 4, 5, True, False), _G(64, 256, 1, 4, 2, True, False), False),
+        MoeConfig(1, True, _G(32, 512, 1, 4, 2, False, False), _G(32, 256, 1, 4, 5, True, True), False),
+    "fp8/E128/H2048/I768/k8/T16":
+        MoeConfig(16, True, _G(64, 256, 1, 4, 3, True, False), _G(128, 128, 1, 4, 4, True, False), False),
+    "fp8_block/E128/H2048/I768/k8/T1":
+        MoeConfig(16, True, _G(64, 128, 1, 4, 5, True, False), _G(64, 128, 1, 4, 4, False, False), False),
+    "fp8_block/E128/H2048/I768/k8/T4":
+        MoeConfig(1, True, _G(64, 128, 1, 4, 5, True, True), _G(128, 128, 1, 4, 1, True, True), False),
+    "fp8_static/E128/H2048/I768/k8/T1":
+        MoeConfig(1, True, _G(8, 1024, 1, 4, 1, False, True), _G(16, 256, 1, 8, 4, True, False), False),
+    "fp8_static/E128/H2048/I768/k8/T2":
+        MoeConfig(1, True, _G(16, 512, 1, 4, 5, False, True), _G(16, 256, 1, 2, 1, True, False), False),
+    "fp8_static/E128/H2048/I768/k8/T4":
+        MoeConfig(1, True, _G(16, 512, 1, 4, 5, True, True), _G(32, 256, 1, 4, 3, True, False), False),
+    "fp8_static/E128/H2048/I768/k8/T8":
+        MoeConfig(1, True, _G(16, 512, 1, 4, 2, False, True), _G(32, 256, 1, 4, 4, False, False), False),
+    "fp8_static/E128/H2048/I768/k8/T16":
+        MoeConfig(1, True, _G(16, 512, 1, 4, 2, False, True), _G(32, 256, 1, 4, 5, True, False), False),
+    "int8/E128/H2048/I768/k8/T1":
+        MoeConfig(1, True, _G(8, 512, 1, 4, 2, True, True), _G(32, 256, 1, 8, 4, True, True), False),
+    "int8/E128/H2048/I768/k8/T4":
+        MoeConfig(1, True, _G(16, 512, 1, 4, 2, False, False), _G(64, 256, 1, 4, 2, True, True), False),
     "fp8/E8/H4096/I14336/k2/T1":
         MoeConfig(16, True, _G(64, 256, 1, 4, 3, True, False), _G(64, 256, 2, 4, 4, True, False), False),
     "fp8/E8/H4096/I14336/k2/T4":
         MoeConfig(16, True, _G(64, 256, 1, 4, 3, True, False), _G(64, 256, 1, 4, 4, True, False), False),
-    "fp8_block/E128/H2048/I768/k8/T1":
-        MoeConfig(16, True, _G(64, 128, 1, 4, 4, True, False), _G(64, 128, 1, 4, 4, True, False), False),
-    "fp8_block/E128/H2048/I768/k8/T4":
-        MoeConfig(16, True, _G(64, 128, 1, 4, 3, True, False), _G(64, 128, 1, 4, 2, True, False), False),
-    "int8/E128/H2048/I768/k8/T1":
-        MoeConfig(16, True, _G(64, 256, 1, 4, 4, True, False), _G(128, 256, 1, 8, 5, True, False), False),
-    "int8/E128/H2048/I768/k8/T4":
-        MoeConfig(16, True, _G(64, 128, 1, 4, 3, True, False), _G(64, 128, 1, 4, 4, True, False), False),
+    "fp8_static/E8/H4096/I14336/k2/T1":
+        MoeConfig(16, True, _G(64, 256, 1, 4, 3, True, False), _G(64, 256, 2, 4, 4, True, False), False),
+    "fp8_static/E8/H4096/I14336/k2/T4":
+        MoeConfig(16, True, _G(64, 256, 1, 4, 3, True, False), _G(64, 256, 1, 4, 4, True, False), False),
 }
 # {arch: {config_key: MoeConfig.to_dict()}}, looked up after the on-disk cache
 TUNED: dict[str, dict[str, dict]] = {"sm_90": {key: cfg.to_dict() for key, cfg in _SM90.items()}}
 
 
 def config_key(kind: str, e: int, h: int, i: int, k: int, t: int, gated: bool = True) -> str:
-    """The table key: scheme kind (fp8 / fp8_block / int8), shape, top-k, tokens rounded up to a power of 2."""
+    """The table key: scheme kind (:attr:`MoeQuant.kind`), shape, top-k, tokens rounded up to a power of 2."""
     return f"{kind}/E{e}/H{h}/I{i}/k{k}/T{1 << max(0, (t - 1).bit_length())}" + ("" if gated else "/nogate")
 
 
@@ -175,15 +193,16 @@ def default_config(q: MoeQuant, e: int, h: int, i: int, k: int, t: int, num_sms:
 
 def normalize_config(cfg: MoeConfig, q: MoeQuant, gated: bool) -> MoeConfig:
     """``cfg`` made valid for the scheme: 128-wide K steps under per-step scales, no split of a gated
-    GEMM 1, 16-row tiles per pair, separate quantization for dynamic per-tensor scales."""
+    GEMM 1, 16-row tiles per pair (or one row: products on the CUDA cores), separate quantization for
+    dynamic per-tensor scales."""
     fuse_ok = q.a_static or q.a_gran != G_TENSOR
 
     def fix(g: GemmConfig, split_ok: bool) -> GemmConfig:
         return GemmConfig(g.block_n, 128 if q.per_step else g.block_k, g.split_k if split_ok else 1, g.num_warps,
                           g.num_stages, g.swap, g.fuse_quant and fuse_ok)
 
-    return MoeConfig(16 if cfg.per_pair else cfg.block_m, cfg.per_pair, fix(cfg.gemm1, not gated),
-                     fix(cfg.gemm2, True), cfg.fold_topk)
+    block_m = (1 if cfg.block_m == 1 else 16) if cfg.per_pair else cfg.block_m
+    return MoeConfig(block_m, cfg.per_pair, fix(cfg.gemm1, not gated), fix(cfg.gemm2, True), cfg.fold_topk)
 
 
 _CACHE: dict[Path, dict] = {}
@@ -265,17 +284,22 @@ def get_config(q: MoeQuant, e: int, h: int, i: int, k: int, t: int, gated: bool,
     return normalize_config(cfg, q, gated)
 
 
-TUNE_LAYOUTS = ((16, True), (16, False), (32, False), (64, False), (128, False))
-TUNE_AXES = {"block_n": (16, 32, 64, 128), "block_k": (128, 256), "num_stages": (2, 3, 4, 5), "num_warps": (4, 8),
-             "swap": (True, False), "fuse_quant": (True, False), "split_k": (1, 2, 4, 8)}
+# (block_m, per_pair) row layouts tuning starts from; block_m 1: one pair per program on the CUDA cores
+TUNE_LAYOUTS = ((1, True), (16, True), (16, False), (32, False), (64, False), (128, False))
+# the one-row layout's starting GEMM parameters (its tiles are narrow and long: not the MMA layouts' optimum)
+ROW_GEMM = GemmConfig(16, 512, 1, 4, 2, True, True)
+TUNE_AXES = {"block_n": (8, 16, 32, 64, 128), "block_k": (128, 256, 512, 1024), "num_stages": (1, 2, 3, 4, 5),
+             "num_warps": (2, 4, 8), "swap": (True, False), "fuse_quant": (True, False), "split_k": (1, 2, 4, 8)}
 
 
 def tune(e: int, h: int, i: int, k: int, t: int, scheme: str, activation: str = "silu", dtype=torch.bfloat16,
-         save: bool = True, calls: int = 20, replays: int = 10, log=print) -> MoeConfig:
-    """Time :func:`fused_moe` configurations on this GPU with CUDA graphs, starting from
-    :func:`get_config` and varying the row layout and the top-k fold, then each GEMM's parameters one
-    at a time (coordinate descent); the fastest is returned and (``save``) written to
-    :func:`cache_path` for this GPU. ``t`` stands for the tokens its power of 2 covers."""
+         save: bool = True, calls: int = 20, replays: int = 10, routings: int = 8, log=print) -> MoeConfig:
+    """Time :func:`fused_moe` configurations on this GPU with CUDA graphs: :func:`get_config` and each row
+    layout of :data:`TUNE_LAYOUTS`, then the top-k fold and each GEMM's parameters one at a time
+    (coordinate descent) from the fastest tensor-core start and from the one-row layout; the fastest is
+    returned and (``save``) written to :func:`cache_path` for this GPU. ``t`` stands for the tokens its
+    power of 2 covers. The calls cycle through ``routings`` seeded routings, so that the experts are read
+    from memory as a model's layers read them, not from L2."""
     if not torch.cuda.is_available():
         raise UnsupportedError("tune times the kernels on a CUDA GPU and this machine has none", where="fused_moe tune",
                                fix="run it on the GPU that will run the model")
@@ -285,31 +309,39 @@ def tune(e: int, h: int, i: int, k: int, t: int, scheme: str, activation: str = 
     q = moe_quant(scheme)
     gated = ACTIVATIONS[activation][1]
     args = make_moe_inputs(scheme, e, h, i, k, t, activation, dtype, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    routed = [args["topk_ids"]] + [torch.rand(t, e, generator=gen, device="cuda").argsort(1)[:, :k].to(torch.int32)
+                                   for _ in range(routings - 1)]
     timed: dict[MoeConfig, float] = {}
 
     def time_of(cfg: MoeConfig) -> float:
         cfg = normalize_config(cfg, q, gated)
         if cfg not in timed:
+            cycle = itertools.cycle([dict(args, topk_ids=ids) for ids in routed])
             try:
-                timed[cfg] = graph_time_us(lambda: fused_moe(**args, config=cfg), calls, replays)
+                timed[cfg] = graph_time_us(lambda: fused_moe(**next(cycle), config=cfg), calls, replays)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is skipped
                 torch.cuda.synchronize()
                 timed[cfg] = math.inf
                 log(f"  skipped {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
         return timed[cfg]
 
-    best = get_config(q, e, h, i, k, t, gated, torch.device("cuda"))
-    for bm, per_pair in TUNE_LAYOUTS:
-        d = default_config(q, e, h, i, k, t, torch.cuda.get_device_properties(0).multi_processor_count)
-        cand = MoeConfig(bm, per_pair, replace(d.gemm1, swap=bm < 64), replace(d.gemm2, swap=bm < 64),
-                         per_pair and d.fold_topk)
-        best = min((best, cand), key=time_of)
-    best = min((best, replace(best, fold_topk=not best.fold_topk)), key=time_of)
-    for gemm in ("gemm1", "gemm2"):
-        for field, values in TUNE_AXES.items():
-            for v in values:
-                best = min((best, replace(best, **{gemm: replace(getattr(best, gemm), **{field: v})})), key=time_of)
-    best = normalize_config(best, q, gated)
+    def descend(best: MoeConfig) -> MoeConfig:
+        best = min((best, replace(best, fold_topk=not best.fold_topk)), key=time_of)
+        for gemm in ("gemm1", "gemm2"):
+            for field, values in TUNE_AXES.items():
+                for v in values:
+                    best = min((best, replace(best, **{gemm: replace(getattr(best, gemm), **{field: v})})),
+                               key=time_of)
+        return best
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    d = default_config(q, e, h, i, k, t, sms)
+    layouts = [MoeConfig(bm, per_pair, ROW_GEMM if bm == 1 else replace(d.gemm1, swap=bm < 64),
+                         ROW_GEMM if bm == 1 else replace(d.gemm2, swap=bm < 64), False)
+               for bm, per_pair in TUNE_LAYOUTS]
+    mma = min([get_config(q, e, h, i, k, t, gated, torch.device("cuda"))] + layouts[1:], key=time_of)
+    best = normalize_config(min(descend(mma), descend(layouts[0]), key=time_of), q, gated)
     log(f"fused_moe {config_key(q.kind, e, h, i, k, t, gated)}: {timed[best]:.1f} us with {best} "
         f"({len(timed)} configurations timed)")
     if save:

@@ -252,9 +252,15 @@ if HAS_TRITON:
     def _mma(a, w, acc, SWAP: tl.constexpr, PROMOTE: tl.constexpr):
         """acc + the products of one K step. PROMOTE (fp8): the tensor cores' sum of this step is added
         to the fp32 accumulator (sm_90 otherwise accumulates fp8 products over all of K at reduced
-        precision)."""
+        precision). One A row (``tl.dot`` takes 16 or more) multiplies on the CUDA cores."""
         step_k: tl.constexpr = a.shape[1]
-        if SWAP:
+        if a.shape[0] == 1:  # one row (per-pair decode): products on the CUDA cores, exact in int32 / fp32
+            if acc.dtype == tl.int32:
+                s = tl.sum(w.to(tl.int32) * a.to(tl.int32), 1)
+            else:
+                s = tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)
+            r = acc + (s[:, None] if SWAP else s[None, :])
+        elif SWAP:
             if PROMOTE:
                 r = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=step_k)  # [BN, BM]
             else:

@@ -31,7 +31,9 @@ Kernels (:func:`fused_moe`), per layer call, each launched with programmatic dep
 (:func:`fp8_quant_triton.pdl`):
 
 1. ``moe_align`` (:mod:`moe_kernels`): pairs grouped per expert in blocks of ``block_m`` rows; or, in
-   ``per_pair`` mode (a launch option), none: each program takes one pair and reads its expert's weights.
+   ``per_pair`` mode (a launch option), none: each program takes one pair and reads its expert's weights
+   (in a 16-row tile for the tensor cores, or, with ``block_m`` 1, as one row multiplied on the CUDA
+   cores: narrow column tiles, many programs, no MMA padding).
 2. Activation quantization: in the GEMM's prologue (``fuse_quant``: static, per-token and group
    scales) or one separate kernel (the only way for dynamic per-tensor scales).
 3. GEMM 1 (``_moe_gemm_kernel``): the gate and the up tile of each output column block in one
@@ -47,8 +49,9 @@ Kernels (:func:`fused_moe`), per layer call, each launched with programmatic dep
 The GEMM computes acc^T = W · A^T when ``swap`` (the weight tile is the MMA's M side: Hopper's
 wgmma wants M >= 64, and decode has 1..16 rows) and A · W^T otherwise; FP8 x FP8 and INT8 x INT8
 run on the tensor cores (fp32 / int32 accumulation; each K step's fp8 sum is promoted to the fp32
-accumulator); per-tensor / channel / token scales multiply the accumulator once, 128x128-block and
-1x128-group scales every K step (``BLOCK_K`` = 128).
+accumulator), one-row programs on the CUDA cores (fp32 / int32 products and sums); per-tensor /
+channel / token scales multiply the accumulator once, 128x128-block and 1x128-group scales every K step
+(``BLOCK_K`` = 128).
 Launch parameters: :class:`MoeConfig` (:mod:`moe_config`: the :func:`tune` cache, the ``TUNED``
 table or the default rule). Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
 """

@@ -274,7 +274,8 @@ def test_partial_last_group_quantized_by_the_separate_kernel():
 
 def test_tuned_table_entries_are_valid():
     """Every shipped entry reads back as a MoeConfig that normalize_config leaves as it is for its scheme kind."""
-    kinds = {"fp8": "fp8_channel_token", "fp8_block": "fp8_block_group", "int8": "int8_channel_token"}
+    kinds = {"fp8": "fp8_channel_token", "fp8_block": "fp8_block_group", "int8": "int8_channel_token",
+             "fp8_static": "fp8_tensor_static", "int8_static": "int8_tensor_static"}
     for arch, entries in mc.TUNED.items():
         for key, d in entries.items():
             cfg = mc.MoeConfig.from_dict(d)
@@ -308,7 +309,7 @@ def test_config_lookup_order(monkeypatch, tmp_path):
     """The on-disk cache of this device, then the TUNED table of its architecture, then the default rule."""
     q = mt.moe_quant(SCHEMES["fp8_tensor_static"])
     key = mc.config_key(q.kind, 8, 256, 128, 2, 3)
-    assert key == "fp8/E8/H256/I128/k2/T4"
+    assert key == "fp8_static/E8/H256/I128/k2/T4"
     table = mc.MoeConfig(32, False, mc.GemmConfig(128), mc.GemmConfig(32, split_k=2))
     cached = mc.MoeConfig(16, True, mc.GemmConfig(64), mc.GemmConfig(64), True)
     monkeypatch.setenv(mc.CACHE_ENV, str(tmp_path / "fused_moe.json"))
@@ -470,6 +471,8 @@ PER_PAIR = _cfg(16, True, dict(block_n=64), dict(block_n=64))
 ALIGNED = _cfg(16, False, dict(block_n=64, fuse_quant=False), dict(block_n=32, split_k=2, fuse_quant=False))
 WIDE = _cfg(32, False, dict(block_n=32, swap=False), dict(block_n=64, swap=False, block_k=256))
 FOLD_SPLIT = _cfg(16, False, dict(block_n=32), dict(block_n=32, split_k=2, fuse_quant=False), fold=True)
+ROW = _cfg(1, True, dict(block_n=16, block_k=256), dict(block_n=32))  # one pair per program: CUDA cores
+ROW_FOLD_SPLIT = _cfg(1, True, dict(block_n=8, block_k=128, fuse_quant=False), dict(block_n=16, split_k=2), fold=True)
 PREFILL = _cfg(64, False, dict(block_n=64, swap=False, fuse_quant=False, num_warps=8),
                dict(block_n=128, swap=False, fuse_quant=False, num_warps=8))  # the default rule's prefill tiles
 PIPELINE_CASES = {}
@@ -477,6 +480,7 @@ for _name in SCHEMES:
     PIPELINE_CASES[f"{_name}-decode-t1"] = (_name, DECODE, dict(t=1, k=2, e=8))
     PIPELINE_CASES[f"{_name}-aligned-t5"] = (_name, ALIGNED, dict(t=5, k=2, e=4))
     PIPELINE_CASES[f"{_name}-wide-t17"] = (_name, WIDE, dict(t=17, k=2, e=8, h=128))
+    PIPELINE_CASES[f"{_name}-row-t3"] = (_name, ROW, dict(t=3, k=2, e=8))
 PIPELINE_CASES.update({
     "fp8_channel_token-default-t3-k1": ("fp8_channel_token", None, dict(t=3, k=1, e=4)),
     "fp8_channel_token-per-pair-t3": ("fp8_channel_token", PER_PAIR, dict(t=3, k=2, e=8)),
@@ -500,6 +504,11 @@ PIPELINE_CASES.update({
     "fp8_tensor_static-swigluoai-wide": ("fp8_tensor_static", WIDE, dict(t=9, h=128, activation="swigluoai")),
     "fp8_block_group-prefill-t40": ("fp8_block_group", PREFILL, dict(t=40, k=2, e=4, h=128)),
     "int8_channel_token-prefill-t40": ("int8_channel_token", PREFILL, dict(t=40, k=2, e=4, h=128, foreign=True)),
+    "fp8_block_group-row-fold-split-partial": ("fp8_block_group", ROW_FOLD_SPLIT, dict(t=3, e=8, h=192, i=176)),
+    "int8_channel_token-row-swigluoai-foreign": ("int8_channel_token", ROW, dict(t=4, activation="swigluoai",
+                                                                                foreign=True)),
+    "fp8_channel_token-row-fold-on-input": ("fp8_channel_token", ROW_FOLD_SPLIT, dict(t=2, on_input=True)),
+    "fp8_tensor_static-row-nogate": ("fp8_tensor_static", ROW, dict(t=2, activation="silu_no_mul")),
     # H, I not multiples of 128: partial weight blocks and a partial last activation group
     "fp8_block_group-partial-aligned": ("fp8_block_group", ALIGNED, dict(t=5, h=192, i=176)),
     "fp8_block_group-partial-decode": ("fp8_block_group", DECODE, dict(t=2, e=8, h=192, i=176)),
@@ -593,11 +602,12 @@ def test_gpu_matches_reference(shape, name, activation):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["decode", "per-pair", "aligned", "wide", "fold-split"])
+@pytest.mark.parametrize("cfg", ["decode", "per-pair", "aligned", "wide", "fold-split", "row", "row-fold-split"])
 def test_gpu_launch_configurations(cfg):
-    """The non-default paths on the GPU: per-pair / folded decode, split-K, row tiles without swap,
-    fp16, activation weight on input."""
-    config = {"decode": DECODE, "per-pair": PER_PAIR, "aligned": ALIGNED, "wide": WIDE, "fold-split": FOLD_SPLIT}[cfg]
+    """The non-default paths on the GPU: per-pair / folded decode (16-row tiles or one row on the CUDA
+    cores), split-K, row tiles without swap, fp16, activation weight on input."""
+    config = {"decode": DECODE, "per-pair": PER_PAIR, "aligned": ALIGNED, "wide": WIDE, "fold-split": FOLD_SPLIT,
+              "row": ROW, "row-fold-split": ROW_FOLD_SPLIT}[cfg]
     for seed, (name, t) in enumerate((("fp8_block_group", 4), ("fp8_channel_token", 16), ("int8_channel_token", 64),
                                       ("fp8_tensor_dyntensor", 5), ("fp8_tensor_static", 2))):
         for dtype in (torch.bfloat16, torch.float16):
