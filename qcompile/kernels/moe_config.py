@@ -130,8 +130,14 @@ _SM90 = {
         MoeConfig(16, True, _G(64, 256, 1, 4, 3, True, False), _G(128, 128, 1, 4, 4, True, False), False),
     "fp8_block/E128/H2048/I768/k8/T1":
         MoeConfig(16, True, _G(64, 128, 1, 4, 5, True, False), _G(64, 128, 1, 4, 4, False, False), False),
+    "fp8_block/E128/H2048/I768/k8/T2":
+        MoeConfig(1, True, _G(16, 128, 1, 4, 3, True, False), _G(32, 128, 1, 4, 5, True, True), False),
     "fp8_block/E128/H2048/I768/k8/T4":
         MoeConfig(1, True, _G(64, 128, 1, 4, 5, True, True), _G(128, 128, 1, 4, 1, True, True), False),
+    "fp8_block/E128/H2048/I768/k8/T8":
+        MoeConfig(16, True, _G(64, 128, 1, 4, 5, True, False), _G(64, 128, 1, 4, 1, True, False), False),
+    "fp8_block/E128/H2048/I768/k8/T16":
+        MoeConfig(16, True, _G(64, 128, 1, 4, 5, True, False), _G(64, 128, 1, 4, 3, True, False), False),
     "fp8_static/E128/H2048/I768/k8/T1":
         MoeConfig(1, True, _G(8, 1024, 1, 4, 1, False, True), _G(16, 256, 1, 8, 4, True, False), False),
     "fp8_static/E128/H2048/I768/k8/T2":
@@ -144,8 +150,14 @@ _SM90 = {
         MoeConfig(1, True, _G(16, 512, 1, 4, 2, False, True), _G(32, 256, 1, 4, 5, True, False), False),
     "int8/E128/H2048/I768/k8/T1":
         MoeConfig(1, True, _G(8, 512, 1, 4, 2, True, True), _G(32, 256, 1, 8, 4, True, True), False),
+    "int8/E128/H2048/I768/k8/T2":
+        MoeConfig(1, True, _G(16, 512, 1, 4, 2, False, True), _G(128, 256, 1, 8, 4, False, True), False),
     "int8/E128/H2048/I768/k8/T4":
         MoeConfig(1, True, _G(16, 512, 1, 4, 2, False, False), _G(64, 256, 1, 4, 2, True, True), False),
+    "int8/E128/H2048/I768/k8/T8":
+        MoeConfig(16, True, _G(64, 256, 1, 4, 3, True, False), _G(128, 128, 1, 4, 4, True, False), False),
+    "int8/E128/H2048/I768/k8/T16":
+        MoeConfig(16, True, _G(64, 256, 1, 4, 3, True, False), _G(64, 128, 1, 4, 3, True, False), False),
     "fp8/E8/H4096/I14336/k2/T1":
         MoeConfig(16, True, _G(64, 256, 1, 4, 3, True, False), _G(64, 256, 2, 4, 4, True, False), False),
     "fp8/E8/H4096/I14336/k2/T4":
@@ -164,14 +176,28 @@ def config_key(kind: str, e: int, h: int, i: int, k: int, t: int, gated: bool = 
     return f"{kind}/E{e}/H{h}/I{i}/k{k}/T{1 << max(0, (t - 1).bit_length())}" + ("" if gated else "/nogate")
 
 
+# one-row per-pair programs: the rule's launch where every pair has an expert of its own, and tuning's start
+ROW_GEMM = GemmConfig(16, 512, 1, 4, 2, True, True)
+
+
 def default_config(q: MoeQuant, e: int, h: int, i: int, k: int, t: int, num_sms: int = 132) -> MoeConfig:
-    """The rule without measurements: pairs aligned per expert in 16- to 128-row tiles, activations
-    quantized once by a separate kernel (measured faster than quantizing in every program's prologue).
-    Per-pair decode programs without the sort, which tuning picked in every decode cell it ran on an H100,
-    come from the tables, not from this rule. With 16 / 32 rows (decode) the weights are the MMA's M side,
-    GEMM 1 takes narrower column tiles and GEMM 2 a split over K when that leaves SMs idle. Per-step
-    (128-block) scales in 64-row tiles take GEMM 1 tiles of 128 columns (the fastest tiles of a grid timed
-    on an H100: docs/benchmarks.md)."""
+    """The rule without measurements. FP8 with a static activation scale, when the pairs spread evenly
+    would give every pair an expert of its own (T·k <= E): one program per pair and column tile of 16 on
+    the CUDA cores (:data:`ROW_GEMM`; on an H100 it beat the aligned tiles by 3–20 % at T = 1 and 4 on four
+    expert shapes no table covers, and lost at 1.5 and more rows per expert: docs/kernels-moe.md). Else
+    :func:`aligned_config`."""
+    if q.a_static and not q.int8 and not q.per_step and t * k <= e:
+        return MoeConfig(1, True, ROW_GEMM, ROW_GEMM, False)
+    return aligned_config(q, e, h, i, k, t, num_sms)
+
+
+def aligned_config(q: MoeQuant, e: int, h: int, i: int, k: int, t: int, num_sms: int = 132) -> MoeConfig:
+    """Pairs aligned per expert in 16- to 128-row tiles, activations quantized once by a separate kernel
+    (measured faster than quantizing in every program's prologue on tensor-core tiles). Per-pair decode
+    programs, which tuning picked in every decode cell it ran on an H100, come from the tables. With 16 / 32
+    rows (decode) the weights are the MMA's M side, GEMM 1 takes narrower column tiles and GEMM 2 a split
+    over K when that leaves SMs idle. Per-step (128-block) scales in 64-row tiles take GEMM 1 tiles of 128
+    columns (the fastest tiles of a grid timed on an H100: docs/benchmarks.md)."""
     p = t * k
     rows = p / max(1, min(e, p))  # rows per active expert
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 96 else 128
@@ -286,8 +312,6 @@ def get_config(q: MoeQuant, e: int, h: int, i: int, k: int, t: int, gated: bool,
 
 # (block_m, per_pair) row layouts tuning starts from; block_m 1: one pair per program on the CUDA cores
 TUNE_LAYOUTS = ((1, True), (16, True), (16, False), (32, False), (64, False), (128, False))
-# the one-row layout's starting GEMM parameters (its tiles are narrow and long: not the MMA layouts' optimum)
-ROW_GEMM = GemmConfig(16, 512, 1, 4, 2, True, True)
 TUNE_AXES = {"block_n": (8, 16, 32, 64, 128), "block_k": (128, 256, 512, 1024), "num_stages": (1, 2, 3, 4, 5),
              "num_warps": (2, 4, 8), "swap": (True, False), "fuse_quant": (True, False), "split_k": (1, 2, 4, 8)}
 
@@ -336,7 +360,7 @@ def tune(e: int, h: int, i: int, k: int, t: int, scheme: str, activation: str = 
         return best
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    d = default_config(q, e, h, i, k, t, sms)
+    d = aligned_config(q, e, h, i, k, t, sms)
     layouts = [MoeConfig(bm, per_pair, ROW_GEMM if bm == 1 else replace(d.gemm1, swap=bm < 64),
                          ROW_GEMM if bm == 1 else replace(d.gemm2, swap=bm < 64), False)
                for bm, per_pair in TUNE_LAYOUTS]

@@ -284,13 +284,17 @@ def test_tuned_table_entries_are_valid():
             assert cfg.to_dict() == d
 
 
-@pytest.mark.parametrize("name", ["fp8_tensor_static", "fp8_block_group", "fp8_tensor_dyntensor", "int8_channel_token"])
+@pytest.mark.parametrize("name", ["fp8_tensor_static", "fp8_block_group", "fp8_tensor_dyntensor", "int8_channel_token",
+                                  "int8_tensor_static"])
 def test_default_configs_are_valid(name):
     q = mt.moe_quant(SCHEMES[name])
     for e, h, i, k in ((8, 4096, 14336, 2), (128, 2048, 768, 8)):
         for t in (1, 4, 16, 64, 256, 4096):
             for gated in (True, False):
                 cfg = mc.normalize_config(mc.default_config(q, e, h, i, k, t), q, gated)
+                if name == "fp8_tensor_static" and t * k <= e:  # a pair per expert: one-row programs
+                    assert cfg == mc.MoeConfig(1, True, mc.ROW_GEMM, mc.ROW_GEMM, False)
+                    continue
                 for g in (cfg.gemm1, cfg.gemm2):
                     assert g.block_n in (16, 32, 64, 128) and g.block_k % 128 == 0 and g.num_warps in (4, 8)
                     assert not q.per_step or g.block_k == 128
@@ -483,6 +487,7 @@ for _name in SCHEMES:
     PIPELINE_CASES[f"{_name}-row-t3"] = (_name, ROW, dict(t=3, k=2, e=8))
 PIPELINE_CASES.update({
     "fp8_channel_token-default-t3-k1": ("fp8_channel_token", None, dict(t=3, k=1, e=4)),
+    "fp8_tensor_static-default-t2-row": ("fp8_tensor_static", None, dict(t=2, k=2, e=8)),  # the rule's one row
     "fp8_channel_token-per-pair-t3": ("fp8_channel_token", PER_PAIR, dict(t=3, k=2, e=8)),
     "fp8_block_group-fold-split": ("fp8_block_group", FOLD_SPLIT, dict(t=4, k=2, e=4)),
     "int8_channel_token-fold-split-foreign": ("int8_channel_token", FOLD_SPLIT, dict(t=4, k=2, e=4, foreign=True)),
