@@ -320,7 +320,8 @@ def tune(e: int, h: int, i: int, k: int, t: int, scheme: str, activation: str = 
          save: bool = True, calls: int = 20, replays: int = 10, routings: int = 8, log=print) -> MoeConfig:
     """Time :func:`fused_moe` configurations on this GPU with CUDA graphs: :func:`get_config` and each row
     layout of :data:`TUNE_LAYOUTS`, then the top-k fold and each GEMM's parameters one at a time
-    (coordinate descent) from the fastest tensor-core start and from the one-row layout; the fastest is
+    (coordinate descent) from the fastest of :func:`get_config` and the tensor-core layouts, and from the
+    one-row layout; the fastest is
     returned and (``save``) written to :func:`cache_path` for this GPU. ``t`` stands for the tokens its
     power of 2 covers. The calls cycle through ``routings`` seeded routings, so that the experts are read
     from memory as a model's layers read them, not from L2."""

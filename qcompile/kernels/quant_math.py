@@ -153,10 +153,6 @@ def _permute_nibbles(words: torch.Tensor, source: torch.Tensor, to_pairs: bool) 
     return words
 
 
-# TILE_K (scheme.py): elements per chunk of a row in the tiled order, the k one warp's 32 lanes stream per step
-# (wo_mma's KPC).
-
-
 def tiles_natural(spec: WeightSpec) -> bool:
     """Whether :func:`tile_weight` puts ``spec``'s chunks in natural-x order (see :func:`tile_words`): where one
     scale (and zero point) covers each chunk of a row, so that a lane's scattered k need no more scales than
