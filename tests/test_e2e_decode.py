@@ -175,3 +175,14 @@ def test_no_errors_skips_the_probe(tmp_path, monkeypatch):
     assert all("errors" not in r and r["decode_b1"]["tok_s"] > 0 for r in report["results"].values())
     table = e2e_decode.table(report["results"], argparse.Namespace(**report["args"]))
     assert "compiled vs eager" not in table and "ct-w4a16 qcompile" in table
+
+
+def test_profile_prefill_dry_run(capsys):
+    """benchmarks/profile_prefill.py --dry-run: both models prefill compiled on the CPU and report their wall time
+    and host profile (no GPU time there)."""
+    import profile_prefill
+
+    out = profile_prefill.main(["1", "--dry-run"])
+    assert set(out) == {"bf16", "fp8"} and all(r["wall_ms"] > 0 and r["gpu_ms"] == 0 for r in out.values())
+    printed = capsys.readouterr().out
+    assert "fp8 1 layers prefill 32: wall" in printed and "qcompile::experts_ref" in printed
