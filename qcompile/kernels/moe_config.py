@@ -54,8 +54,10 @@ class MoeQuant:
         return base + ("_static" if self.a_static else "")
 
 
+@functools.lru_cache(maxsize=256)
 def moe_quant(scheme: str) -> MoeQuant:
-    """The :class:`MoeQuant` of a scheme key, or UnsupportedError naming what the kernels lack."""
+    """The :class:`MoeQuant` of a scheme key, or UnsupportedError naming what the kernels lack (kept per key:
+    every layer call asks)."""
     spec = parse_scheme_key(scheme)
     w, a = spec.weight, spec.act
     fix = "use an FP8 W8A8 (fp8_e4m3 weights and activations) or INT8 W8A8 scheme"

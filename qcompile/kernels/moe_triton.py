@@ -73,8 +73,6 @@ from .registry import Kernel, KernelQuery, cuda_reason, register, unknown_backen
 from .moe_kernels import A_CODES, A_DYNAMIC, A_STATIC, G_BLOCK, G_ROW, G_TENSOR, INT8_MIN_SCALE, moe_align
 
 if HAS_TRITON:
-    import triton
-
     from .moe_kernels import _moe_gemm_kernel, _moe_sum_kernel
 
 BACKENDS = ("reference", "triton")
@@ -163,18 +161,18 @@ def _splits(k: int, g: GemmConfig) -> tuple[int, int]:
 
 
 def _gemm(a, a_scale, a_mode, a_strides, a_div, w, w_scale, bias, out, route, rows, q: MoeQuant, g: GemmConfig,
-          n: int, k: int, act: int, gated: bool, per_pair: bool, block_m: int, num_pairs: int, fold_topk: int = 0,
-          swiglu: tuple[float, float] = (SWIGLU_ALPHA, SWIGLU_LIMIT), out_scale: torch.Tensor | None = None,
-          out_fp16: bool = False):
+          n: int, k: int, act: int, gated: bool, per_pair: bool, block_m: int, num_pairs: int, launch: dict,
+          fold_topk: int = 0, swiglu: tuple[float, float] = (SWIGLU_ALPHA, SWIGLU_LIMIT),
+          out_scale: torch.Tensor | None = None, out_fp16: bool = False):
     """One launch of the grouped GEMM: out[split, pair, :n] for every pair of ``rows`` (sorted_ids,
     block_expert) or, per pair, (None, topk_ids flat); out[split, token, :n] when folding ``fold_topk``
     pairs per token. ``bias`` [E, N] or None (added by the first K split). ``out_scale`` (0-d fp32): ``out``
     receives the codes of the result (in x's dtype first: fp16 when ``out_fp16``) under this static scale.
-    Returns the number of K splits."""
+    ``launch``: the call's :func:`pdl` keywords. Returns the number of K splits."""
     sorted_ids, experts = rows
     k_split, splits = _splits(k, g)
     ws = [w_scale.stride(d) if d < w_scale.dim() else 0 for d in range(3)]
-    grid = (experts.numel() // max(1, fold_topk), triton.cdiv(n, g.block_n), splits)
+    grid = (experts.numel() // max(1, fold_topk), -(-n // g.block_n), splits)
     _moe_gemm_kernel[grid](
         a, a_scale, w, w_scale, bias if bias is not None else w_scale, out,
         sorted_ids if sorted_ids is not None else experts, experts, route if route is not None else a_scale,
@@ -184,7 +182,7 @@ def _gemm(a, a_scale, a_mode, a_strides, a_div, w, w_scale, bias, out, route, ro
         W_INT8=q.int8, W_GRAN=q.w_gran, A_GRAN=q.a_gran, A_MODE=a_mode, GATED=gated, ACT=act, HAS_BIAS=bias is not None,
         ROUTE=route is not None, PER_PAIR=per_pair, FOLD_TOPK=fold_topk, SWAP=g.swap, NATIVE_FP8=_native_fp8(a),
         BLOCK_M=block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, OUT_QUANT=out_scale is not None, OUT_FP16=out_fp16,
-        num_warps=g.num_warps, num_stages=g.num_stages, **pdl(a))
+        num_warps=g.num_warps, num_stages=g.num_stages, **launch)
     return splits
 
 
@@ -202,7 +200,7 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale
                                    scheme=scheme, activation=activation, b13=b13, b2=b2, swiglu_alpha=swiglu_alpha,
                                    swiglu_limit=swiglu_limit, apply_router_weight_on_input=apply_router_weight_on_input)
     act, gated = ACTIVATIONS[activation]
-    cfg = normalize_config(config or get_config(q, e, h, i, k, t, gated, x.device), q, gated)
+    cfg = get_config(q, e, h, i, k, t, gated, x.device) if config is None else normalize_config(config, q, gated)
     p, dev = t * k, x.device
     if t == 0:
         return x.new_empty((0, h))
@@ -215,7 +213,7 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale
         a_div, route2 = 1, None
     else:
         a1, a_div, route2 = x, k, route
-    common = dict(q=q, per_pair=cfg.per_pair, block_m=cfg.block_m, num_pairs=p)
+    common = dict(q=q, per_pair=cfg.per_pair, block_m=cfg.block_m, num_pairs=p, launch=pdl(x))  # one query a call
     a, s, mode, strides = _unpack(_act_operand(a1, q, a13_scale, cfg.gemm1.fuse_quant))
     if q.a_static and not cfg.gemm2.fuse_quant:  # GEMM 1 writes h's codes under the static scale itself
         a2 = a2_scale.reshape(()).float()
@@ -242,9 +240,9 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale
     _gemm(a, s, mode, strides, 1, w2, w2_scale, b2, part, route2, (None, ids) if cfg.fold_topk else rows,
           g=cfg.gemm2, n=h, k=i, act=0, gated=False, fold_topk=k if cfg.fold_topk else 0, **common)
     block_h = min(_pow2(h), 512)
-    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](part, ids, out, h, e, part.stride(0), TOPK=1 if cfg.fold_topk else k,
-                                                  SPLIT=split, CHECK_IDS=not cfg.fold_topk, BLOCK_H=block_h,
-                                                  num_warps=4, **pdl(out))
+    _moe_sum_kernel[(t, -(-h // block_h))](part, ids, out, h, e, part.stride(0), TOPK=1 if cfg.fold_topk else k,
+                                           SPLIT=split, CHECK_IDS=not cfg.fold_topk, BLOCK_H=block_h, num_warps=4,
+                                           **common["launch"])
     return out
 
 
