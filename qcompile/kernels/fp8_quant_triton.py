@@ -30,7 +30,7 @@ import os
 import torch
 
 from ..scheme import Granularity, QDtype
-from . import quant_math
+from . import cuda_driver, quant_math
 from .wo_policy import pdl_default
 
 try:
@@ -71,7 +71,8 @@ def pdl(t: torch.Tensor) -> dict:
     """The launch keywords of a Triton kernel that takes a ``PDL`` constexpr and starts with :func:`_pdl_start`:
     programmatic dependent launch for tensors on a GPU of sm_90+ (as the weight-only kernel decides it:
     ``QCOMPILE_PDL=0`` turns it off), else none."""
-    on = _PDL[0] and t.is_cuda and not interpreting() and pdl_default(torch.cuda.get_device_capability(t.device))
+    on = (_PDL[0] and t.is_cuda and not interpreting()
+          and pdl_default(cuda_driver.capability(cuda_driver.device_index(t.device))))  # queried once a device
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 

@@ -665,11 +665,12 @@ def test_pdl_launch_keywords(monkeypatch):
     QCOMPILE_PDL=0, not inside without_pdl(), never on the CPU."""
     from types import SimpleNamespace
 
+    from qcompile.kernels import cuda_driver
     from qcompile.kernels import fp8_quant_triton as fq
 
     cuda = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
     cap = [(9, 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+    monkeypatch.setattr(cuda_driver, "capability", lambda idx: cap[0])  # the per-process query pdl() asks
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("QCOMPILE_PDL", raising=False)
     assert fq.pdl(cuda) == {"PDL": True, "launch_pdl": True}
