@@ -5,6 +5,7 @@ logits errors."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -188,8 +189,11 @@ def profile_kernels(dec: Decoder, tokens: int, top: int) -> list:
     return [[e.key[:80], round(e.device_time_total / tokens, 2), round(e.count / tokens, 2)] for e in events[:top]]
 
 
-def prefill_ms(model, compile_fn, device: str, length: int, reps: int) -> float:
-    """Median ms of a compiled batch-1 prefill of ``length`` tokens into a StaticCache (last logits only)."""
+def compiled_prefill(model, compile_fn, device: str, length: int):
+    """A compiled batch-1 prefill of ``length`` random tokens into a StaticCache (last logits only): a call
+    that empties the cache, runs the prefill and returns its wall seconds, the device synchronized before and
+    after; the prefill and the last synchronization run inside ``around`` (a context manager: a profiler, say).
+    Call it under ``torch.no_grad()``; the first calls compile."""
     from qcompile.kv_cache import cache_kwargs, static_cache
 
     cache = static_cache(model, length)
@@ -198,15 +202,24 @@ def prefill_ms(model, compile_fn, device: str, length: int, reps: int) -> float:
     pos = torch.arange(length, device=device)
     fn = compile_fn(lambda ids, pos: model(input_ids=ids, **kw, cache_position=pos, use_cache=True,
                                            logits_to_keep=1).logits)
-    times = []
-    with torch.no_grad():
-        for _ in range(reps + 2):
-            cache.reset()  # transformers 5.24's static layers count their own positions
-            sync(device)
-            t0 = time.perf_counter()
+
+    def run(around=None) -> float:
+        cache.reset()  # transformers 5.24's static layers count their own positions
+        sync(device)
+        t0 = time.perf_counter()
+        with around or contextlib.nullcontext():
             fn(ids, pos)
             sync(device)
-            times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    return run
+
+
+def prefill_ms(model, compile_fn, device: str, length: int, reps: int) -> float:
+    """Median ms of ``reps`` compiled prefills (:func:`compiled_prefill`), after two that compile."""
+    run = compiled_prefill(model, compile_fn, device, length)
+    with torch.no_grad():
+        times = [run() for _ in range(reps + 2)]
     return 1e3 * statistics.median(times[2:])
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -22,36 +21,19 @@ from torch.profiler import ProfilerActivity, profile
 import e2e_models as em
 import qcompile
 from qcompile import synth
-from qcompile.kv_cache import cache_kwargs, static_cache
 
 
-
-def measure(name: str, model, compile_fn, layers: int, vocab: int, length: int, device: str) -> dict:
+def measure(name: str, model, compile_fn, layers: int, length: int, device: str) -> dict:
     """Print (and return) the model's wall and GPU milliseconds of one compiled prefill, with its profile."""
-    cache = static_cache(model, length)
-    kw = cache_kwargs(model, cache)
-    ids = torch.randint(3, vocab, (1, length), device=device)
-    pos = torch.arange(length, device=device)
-    fn = compile_fn(lambda ids, pos: model(input_ids=ids, **kw, cache_position=pos, use_cache=True,
-                                           logits_to_keep=1).logits)
-    times = []
+    run = em.compiled_prefill(model, compile_fn, device, length)
     with torch.no_grad():
-        for _ in range(7):
-            cache.reset()
-            em.sync(device)
-            t0 = time.perf_counter()
-            fn(ids, pos)
-            em.sync(device)
-            times.append(time.perf_counter() - t0)
+        times = [run() for _ in range(7)]
         wall = 1e3 * statistics.median(times[2:])
         print(f"{name} {layers} layers prefill {length}: wall {wall:.2f} ms "
               f"({[round(1e3 * t, 2) for t in times]})", flush=True)
-        cache.reset()
-        em.sync(device)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with profile(activities=activities) as prof:
-            fn(ids, pos)
-            em.sync(device)
+        prof = profile(activities=activities)
+        run(prof)
     events = prof.key_averages()
     gpu = sorted((e for e in events if e.device_time_total > 0), key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in gpu if e.device_type.name == "CUDA")
@@ -73,11 +55,11 @@ def main(argv=None) -> dict:
     bf16 = em.build_bf16(cfg, device)
     with tempfile.TemporaryDirectory() as path:
         synth.write_model(path, bf16, "modelopt-fp8")
-        out = {"bf16": measure("bf16", bf16, lambda f: torch.compile(f, dynamic=False), args.layers, cfg.vocab_size,
-                               length, device)}
+        out = {"bf16": measure("bf16", bf16, lambda f: torch.compile(f, dynamic=False), args.layers, length,
+                               device)}
         fp8 = qcompile.load(path, device=device).eval()
         out["fp8"] = measure("fp8", fp8, lambda f: torch.compile(f, backend=qcompile.backend(), dynamic=False),
-                             args.layers, cfg.vocab_size, length, device)
+                             args.layers, length, device)
     return out
 
 
