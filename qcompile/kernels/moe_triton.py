@@ -213,7 +213,8 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale
         a_div, route2 = 1, None
     else:
         a1, a_div, route2 = x, k, route
-    common = dict(q=q, per_pair=cfg.per_pair, block_m=cfg.block_m, num_pairs=p, launch=pdl(x))  # one query a call
+    launch = pdl(x)  # the PDL keywords of every launch below
+    common = dict(q=q, per_pair=cfg.per_pair, block_m=cfg.block_m, num_pairs=p, launch=launch)
     a, s, mode, strides = _unpack(_act_operand(a1, q, a13_scale, cfg.gemm1.fuse_quant))
     if q.a_static and not cfg.gemm2.fuse_quant:  # GEMM 1 writes h's codes under the static scale itself
         a2 = a2_scale.reshape(()).float()
@@ -242,7 +243,7 @@ def fused_moe(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale
     block_h = min(_pow2(h), 512)
     _moe_sum_kernel[(t, -(-h // block_h))](part, ids, out, h, e, part.stride(0), TOPK=1 if cfg.fold_topk else k,
                                            SPLIT=split, CHECK_IDS=not cfg.fold_topk, BLOCK_H=block_h, num_warps=4,
-                                           **common["launch"])
+                                           **launch)
     return out
 
 
