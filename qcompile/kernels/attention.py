@@ -15,6 +15,10 @@ there is one split). Both launch with programmatic dependent launch on sm_90+ (`
 SDPA as a library call reads every position of the cache, launches once per call and, for a masked call at one
 query token, puts few thread blocks to work.
 
+With ``sinks`` (one logit per query head, gpt-oss's attention sinks) the softmax also spans that logit, whose
+column is then dropped: ``p = softmax([q k^T * scale + mask, sink])[..., :-1]``, so the probabilities of a row sum
+to less than 1. The kernel starts split 0 of each row with the sink as its running maximum and 1 as its sum.
+
 Rows every key of which is masked come out 0, as SDPA's math does. Elsewhere (the CPU, a head dimension over
 256, a dtype other than fp16 / bf16 / fp32, no Triton) the op is ``F.scaled_dot_product_attention`` on the
 same tensors; that is its reference too. Its gradient is SDPA's (the pass leaves calls that need one to SDPA).
@@ -76,17 +80,19 @@ if HAS_TRITON:
         return _decode(t.to(tl.int32), _FMT_FP8)
 
     @triton.jit
-    def _split_kernel(Q, K, V, MASK, OUT, ACC, ML, KS, VS, scale, S, REP, D, KVH, chunk,
+    def _split_kernel(Q, K, V, MASK, OUT, ACC, ML, KS, VS, SINKS, scale, S, REP, D, KVH, chunk,
                       s_qb, s_qh, s_qr, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd, s_mb, s_ms,
                       s_ob, s_oh, s_or, s_od, s_ksh, s_vsh,
-                      MASK_KIND: tl.constexpr, KV_FP8: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+                      MASK_KIND: tl.constexpr, KV_FP8: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
+                      IEEE: tl.constexpr,
                       EMU_BF16: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
         """One (batch, key / value head, split): the split's keys against the group's ``rep`` query rows.
         ``DIRECT``: the only split, write the output; else the unnormalized sum, its row maxima and row sums
         to the workspace for the merge. ``KV_FP8``: K and V are e4m3 bytes, dequantized as the FP8 cache does
         (``dtype(fp8 * scale)``, the head's scale from KS / VS) before the dots: the GPU's own e4m3 conversion
-        (``NATIVE_FP8``), or integer decoding under the interpreter."""
+        (``NATIVE_FP8``), or integer decoding under the interpreter. ``HAS_SINK``: split 0 starts each row from its
+        head's sink logit (SINKS[h * REP + row]) as the running maximum, with 1 as the running sum."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -100,8 +106,13 @@ if HAS_TRITON:
         dmask = dd < D
         q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_qr + dd[None, :] * s_qd,
                     mask=rmask[:, None] & dmask[None, :], other=0.0)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINK:  # -inf (no sink) outside split 0
+            m_i = tl.load(SINKS + h * REP + rows, mask=rmask & (rows * 0 + split == 0),
+                          other=float("-inf")).to(tl.float32)
+            l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         start = split * chunk
         end = tl.minimum(start + chunk, S)
@@ -179,7 +190,7 @@ def _batch(q, k, v, mask) -> int:
     return max(q.shape[0], k.shape[0], v.shape[0], 1 if mask is None else mask.shape[0])
 
 
-def _check(q, k, v, mask, k_scale=None, v_scale=None):
+def _check(q, k, v, mask, k_scale=None, v_scale=None, sinks=None):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"{OP}: q, k and v are (batch, kv_heads, rows, head_dim), got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -189,6 +200,10 @@ def _check(q, k, v, mask, k_scale=None, v_scale=None):
     if mask is not None and (mask.dim() != 4 or mask.shape[1:3] != (1, 1) or mask.shape[3] not in (1, k.shape[2])):
         raise ValueError(f"{OP}: the mask is shared by all heads and rows, (batch, 1, 1, {k.shape[2]}), got "
                          f"{tuple(mask.shape)}")
+    if sinks is not None and (sinks.dim() != 1 or sinks.numel() != q.shape[1] * q.shape[2]
+                              or not sinks.dtype.is_floating_point):
+        raise ValueError(f"{OP}: sinks are one floating-point logit per query head, ({q.shape[1] * q.shape[2]},), got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")
     if (k_scale is None) != (v_scale is None):
         raise ValueError(f"{OP}: fp8 keys and values take a k_scale and a v_scale, got one of them")
     if k_scale is not None:
@@ -224,7 +239,8 @@ def splits_for(programs: int, keys: int, device: torch.device) -> int:
     return min(1 << round(math.log2(n)), MAX_SPLITS)
 
 
-def _triton(q, k, v, mask, scale: float, splits: int | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
+def _triton(q, k, v, mask, scale: float, splits: int | None = None, k_scale=None, v_scale=None,
+            sinks=None) -> torch.Tensor:
     batch = _batch(q, k, v, mask)
     _, kvh, rep, d = q.shape
     s = k.shape[2]
@@ -254,8 +270,9 @@ def _triton(q, k, v, mask, scale: float, splits: int | None = None, k_scale=None
     ml = out if direct else torch.empty(batch * kvh * splits * 2 * block_m, dtype=torch.float32, device=q.device)
     launch, emu = pdl(q), interpreting() and q.dtype == torch.bfloat16
     _split_kernel[(batch * kvh, splits)](
-        q, k, v, mask, out, acc, ml, *scales, scale, s, rep, d, kvh, chunk, *q.stride(), *k.stride(),
-        *v.stride(), *m_strides, *out.stride(), *s_strides, MASK_KIND=kind, KV_FP8=fp8, DIRECT=direct,
+        q, k, v, mask, out, acc, ml, *scales, q if sinks is None else sinks.contiguous(), scale, s, rep, d, kvh,
+        chunk, *q.stride(), *k.stride(), *v.stride(), *m_strides, *out.stride(), *s_strides, MASK_KIND=kind,
+        KV_FP8=fp8, HAS_SINK=sinks is not None, DIRECT=direct,
         IEEE=q.dtype == torch.float32 or emu, EMU_BF16=emu, NATIVE_FP8=not interpreting(),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, num_warps=4, **launch)
     if not direct:
@@ -266,37 +283,47 @@ def _triton(q, k, v, mask, scale: float, splits: int | None = None, k_scale=None
     return out
 
 
-def reference(q, k, v, mask=None, scale: float | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
-    """SDPA on the same tensors (fp8 keys and values dequantized first): what the op computes."""
+def reference(q, k, v, mask=None, scale: float | None = None, k_scale=None, v_scale=None, sinks=None) -> torch.Tensor:
+    """SDPA on the same tensors (fp8 keys and values dequantized first): what the op computes. With sinks, the same
+    math written out in fp32 with the sink column in the softmax, rounded to q's dtype."""
     if k_scale is not None:
         k, v = dequantize_fp8(k, k_scale, q.dtype), dequantize_fp8(v, v_scale, q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    logits = q.float() @ k.float().transpose(-1, -2) * (1.0 / math.sqrt(q.shape[3]) if scale is None else scale)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.float()
+    sink = sinks.float().reshape(1, q.shape[1], q.shape[2], 1).expand(*logits.shape[:3], 1)
+    p = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1]
+    return (p @ v.float()).to(q.dtype)
 
 
 @torch.library.custom_op(OP, mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                      scale: float | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for a group's query rows ``q`` (b, kv_heads, rep, d) against the key /
     value heads ``k``, ``v`` (b, kv_heads, S, d); ``mask`` (b, 1, 1, S) boolean or additive, or None; ``scale``
     None is 1 / sqrt(d). With ``k_scale`` / ``v_scale`` (fp32, (1, kv_heads or 1, 1, 1)), ``k`` and ``v`` are an
-    FP8 cache's float8_e4m3fn codes, read as ``q.dtype(code * scale)``. Returns (b, kv_heads, rep, d) in q's
-    dtype."""
-    _check(q, k, v, mask, k_scale, v_scale)
+    FP8 cache's float8_e4m3fn codes, read as ``q.dtype(code * scale)``. ``sinks`` (kv_heads * rep,): one logit per
+    query head (head ``h * rep + r`` is row r of group h) the softmax spans too (module doc). Returns (b, kv_heads,
+    rep, d) in q's dtype."""
+    _check(q, k, v, mask, k_scale, v_scale, sinks)
     if triton_reason(q, k, v, mask, k_scale is not None) is None:
         return _triton(q, k, v, mask, 1.0 / math.sqrt(q.shape[3]) if scale is None else scale, None, k_scale,
-                       v_scale)
-    return reference(q, k, v, mask, scale, k_scale, v_scale).contiguous()
+                       v_scale, sinks)
+    return reference(q, k, v, mask, scale, k_scale, v_scale, sinks).contiguous()
 
 
 @decode_attention.register_fake
-def _(q, k, v, mask=None, scale=None, k_scale=None, v_scale=None):
-    _check(q, k, v, mask, k_scale, v_scale)
+def _(q, k, v, mask=None, scale=None, k_scale=None, v_scale=None, sinks=None):
+    _check(q, k, v, mask, k_scale, v_scale, sinks)
     return q.new_empty(_batch(q, k, v, mask), *q.shape[1:])
 
 
 def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:3], inputs[3] if isinstance(inputs[3], torch.Tensor) else None)
+    ctx.save_for_backward(*inputs[:3], inputs[3] if isinstance(inputs[3], torch.Tensor) else None,
+                          inputs[7] if len(inputs) > 7 else None)
     ctx.scale = inputs[4]
     ctx.fp8 = inputs[5] is not None
 
@@ -304,13 +331,17 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad):
     if ctx.fp8:
         raise NotImplementedError(f"{OP}: no gradient through fp8 keys and values (an FP8 cache is for inference)")
-    q, k, v, mask = ctx.saved_tensors
+    q, k, v, mask, sinks = ctx.saved_tensors
+    n = len(ctx.needs_input_grad)  # the inputs passed: sinks among them or not
+    needs = tuple(ctx.needs_input_grad[:3]) + (n > 7 and ctx.needs_input_grad[7],)
     with torch.enable_grad():
-        q_, k_, v_ = (t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3]))
-        out = reference(q_, k_, v_, mask, ctx.scale)
-        wanted = [t for t in (q_, k_, v_) if t.requires_grad]
+        q_, k_, v_, s_ = (None if t is None else t.detach().requires_grad_(need)
+                          for t, need in zip((q, k, v, sinks), needs))
+        out = reference(q_, k_, v_, mask, ctx.scale, sinks=s_)
+        wanted = [t for t in (q_, k_, v_, s_) if t is not None and t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-    return (*(next(grads) if need else None for need in ctx.needs_input_grad[:3]), None, None, None, None)
+    q_g, k_g, v_g, s_g = (next(grads) if need else None for need in needs)
+    return (q_g, k_g, v_g, None, None, None, None, s_g)[:n]
 
 
 decode_attention.register_autograd(_backward, setup_context=_setup)

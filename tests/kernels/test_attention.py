@@ -46,12 +46,19 @@ def fp8_kv(k, v, per_head=True, seed=1):
     return quantize_kv(k, scales[0]), quantize_kv(v, scales[1]), *scales
 
 
-def oracle(q, k, v, mask, scale=None, k_scale=None, v_scale=None):
-    """SDPA's math in fp32 (on the FP8 cache's dequantized read in q's dtype, upcast)."""
+def oracle(q, k, v, mask, scale=None, k_scale=None, v_scale=None, sinks=None):
+    """SDPA's math in fp32 (on the FP8 cache's dequantized read in q's dtype, upcast); with sinks, the softmax over
+    the keys and each head's sink logit, the sink's column dropped."""
     m = mask if mask is None or mask.dtype == torch.bool else mask.float()
     if k_scale is not None:
         k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
-    return at.reference(q.float(), k.float(), v.float(), m, scale)
+    return at.reference(q.float(), k.float(), v.float(), m, scale, sinks=None if sinks is None else sinks.float())
+
+
+def sinks_of(q, seed=2):
+    """One sink logit per query head of ``q`` (b, kv_heads, rep, d), about the size of the scores."""
+    g = torch.Generator().manual_seed(seed)
+    return (2 * torch.randn(q.shape[1] * q.shape[2], generator=g)).to(q.device, q.dtype)
 
 
 def tol(dtype, want):
@@ -66,6 +73,23 @@ def test_op_is_sdpa_on_the_cpu(mask):
     torch.testing.assert_close(at.decode_attention(q, k, v, m, 0.2), oracle(q, k, v, m, 0.2), atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("mask", ["bool", "float", "all-hidden", None])
+def test_sinks_on_the_cpu(mask):
+    """With sinks the op is the softmax over the keys and the head's sink logit, written out by hand here: repeated
+    heads, the sink's column appended, then dropped."""
+    q, k, v, m = make(mask=mask, s=40)
+    s = sinks_of(q)
+    b, kvh, rep, d = q.shape
+    logits = q.reshape(b, kvh * rep, 1, d) @ k.repeat_interleave(rep, 1).transpose(-1, -2) * 0.2
+    if m is not None:
+        logits = logits.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else logits + m
+    p = torch.cat([logits, s.reshape(1, -1, 1, 1).expand(b, -1, 1, 1)], -1).softmax(-1)[..., :-1]
+    want = (p @ v.repeat_interleave(rep, 1)).reshape(b, kvh, rep, d)
+    torch.testing.assert_close(at.decode_attention(q, k, v, m, 0.2, None, None, s), want, atol=2e-6, rtol=0)
+    if mask == "all-hidden":  # the sink takes all of each row's weight
+        assert torch.equal(want, torch.zeros_like(want))
+
+
 def test_opcheck():
     from tests.opcheck_util import opcheck
 
@@ -73,6 +97,7 @@ def test_opcheck():
     torch.library.opcheck(at.decode_attention, (q, k, v, m, None))
     torch.library.opcheck(at.decode_attention, make(s=16, d=8, mask=None)[:3] + (None, 0.5))
     opcheck(at.decode_attention, (q, *fp8_kv(k, v)[:2], m, None, *fp8_kv(k, v)[2:]))
+    torch.library.opcheck(at.decode_attention, (q, k, v, m, None, None, None, sinks_of(q)))
 
 
 @pytest.mark.parametrize("per_head", [True, False])
@@ -83,12 +108,14 @@ def test_fp8_keys_and_values_are_the_caches_dequantized_read(per_head):
     assert torch.equal(at.decode_attention(q, kq, vq, m, None, ks, vs), want)
 
 
-def test_gradient_is_sdpas():
+@pytest.mark.parametrize("sinks", [False, True])
+def test_gradient_is_sdpas(sinks):
     q, k, v, m = make(s=16, d=8, mask="float")
-    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    at.decode_attention(*ins, m, 0.3).pow(2).sum().backward()
-    want = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    at.reference(*want, m, 0.3).pow(2).sum().backward()
+    s = sinks_of(q) if sinks else None
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v) + ((s,) if sinks else ())]
+    at.decode_attention(*ins[:3], m, 0.3, None, None, ins[3] if sinks else None).pow(2).sum().backward()
+    want = [t.clone().requires_grad_(True) for t in (q, k, v) + ((s,) if sinks else ())]
+    at.reference(*want[:3], m, 0.3, sinks=want[3] if sinks else None).pow(2).sum().backward()
     for a, b in zip(ins, want):
         torch.testing.assert_close(a.grad, b.grad)
 
@@ -100,15 +127,17 @@ def test_gradient_is_sdpas():
     (dict(k_scale=torch.ones(1, 1, 1, 1)), "take a k_scale and a v_scale"),
     (dict(k_scale=torch.ones(1, 1, 1, 1), v_scale=torch.ones(1, 1, 1, 1)), "k is float8_e4m3fn"),
     (dict(fp8=True, v_scale=torch.ones(1, 3, 1, 1)), "v_scale fp32 (1, 2 or 1, 1, 1)"),
+    (dict(sinks=torch.zeros(4)), "one floating-point logit per query head, (8,)"),
 ])
 def test_rejects_bad_shapes(bad, msg):
     q, k, v, m = make(s=16, d=8)
     kq, vq, ks, vs = fp8_kv(k, v)
     fp8 = bad.pop("fp8", False)
     args = {**dict(q=q, k=kq if fp8 else k, v=vq if fp8 else v, mask=m, k_scale=ks if fp8 else None,
-                   v_scale=vs if fp8 else None), **bad}
+                   v_scale=vs if fp8 else None, sinks=None), **bad}
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-        at.decode_attention(args["q"], args["k"], args["v"], args["mask"], None, args["k_scale"], args["v_scale"])
+        at.decode_attention(args["q"], args["k"], args["v"], args["mask"], None, args["k_scale"], args["v_scale"],
+                            args["sinks"])
 
 
 # -- the Triton kernels under the interpreter (subprocess: TRITON_INTERPRET is read at import) ----------------
@@ -125,18 +154,24 @@ CASES = {  # name: make() arguments, splits (None: the op's choice)
     "most-splits": (dict(kvh=1, rep=2, s=64 * at.MAX_SPLITS + 5, d=16), 10 ** 6),
     "fp8-per-head-bf16": (dict(dtype=torch.bfloat16, fp8="head"), 3),
     "fp8-per-layer-fp32-one-split": (dict(fp8="layer"), 1),
+    "sinks-bool-split4": (dict(sinks=True), 4),
+    "sinks-float-one-split-bf16": (dict(mask="float", dtype=torch.bfloat16, sinks=True), 1),
+    "sinks-all-hidden": (dict(mask="all-hidden", sinks=True), 2),
+    "sinks-no-mask-rep3-fp8": (dict(mask=None, rep=3, fp8="head", sinks=True), 3),
 }
 
 
 def case_inputs(kw):
-    """(q, k, v, mask, k_scale, v_scale) of a CASES entry: fp8 = "head" / "layer" for an FP8 cache's codes."""
+    """(q, k, v, mask, k_scale, v_scale, sinks) of a CASES entry: fp8 = "head" / "layer" for an FP8 cache's codes,
+    sinks = True for one sink logit per query head."""
     kw = dict(kw)
-    fp8 = kw.pop("fp8", None)
+    fp8, sinks = kw.pop("fp8", None), kw.pop("sinks", False)
     q, k, v, m = make(**kw)
+    s = sinks_of(q) if sinks else None
     if fp8 is None:
-        return q, k, v, m, None, None
+        return q, k, v, m, None, None, s
     kq, vq, ks, vs = fp8_kv(k, v, fp8 == "head")
-    return q, kq, vq, m, ks, vs
+    return q, kq, vq, m, ks, vs, s
 
 INTERPRETER_SCRIPT = textwrap.dedent("""
     import json, os, torch
@@ -146,10 +181,10 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     assert at.triton_reason(torch.empty(1, 1, 1, 8), torch.empty(1, 1, 1, 8), torch.empty(1, 1, 1, 8), None) is None
     res = {}
     for name, (kw, splits) in CASES.items():
-        q, k, v, m, ks, vs = case_inputs(kw)
-        out = at._triton(q, k, v, m, 0.125, splits, ks, vs) if splits else at.decode_attention(q, k, v, m, 0.125,
-                                                                                               ks, vs)
-        want = oracle(q, k, v, m, 0.125, ks, vs)
+        q, k, v, m, ks, vs, s = case_inputs(kw)
+        out = at._triton(q, k, v, m, 0.125, splits, ks, vs, s) if splits else at.decode_attention(q, k, v, m, 0.125,
+                                                                                                  ks, vs, s)
+        want = oracle(q, k, v, m, 0.125, ks, vs, s)
         res[name] = [(out.float() - want).abs().max().item(), want.abs().max().item(), list(out.shape),
                      str(out.dtype)]
     print(json.dumps(res))
@@ -165,8 +200,8 @@ def interpreter_results():
 def test_kernels_under_interpreter(interpreter_results, name):
     err, peak, shape, dtype = interpreter_results[name]
     kw = CASES[name][0]
-    q, k, v, m, ks, vs = case_inputs(kw)
-    want = oracle(q, k, v, m, 0.125, ks, vs)
+    q, k, v, m, ks, vs, s = case_inputs(kw)
+    want = oracle(q, k, v, m, 0.125, ks, vs, s)
     assert shape == list(want.shape) and dtype == str(kw.get("dtype", torch.float32))
     assert err <= tol(kw.get("dtype", torch.float32), want), (name, err, peak)
 
@@ -185,7 +220,8 @@ def test_splits_fill_the_gpu():
 @pytest.mark.skipif(not at.HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("pdl", [False, True])
 def test_kernels_compile_for_sm90(pdl):
-    """Both kernels compile for sm_90, with programmatic dependent launch (griddepcontrol) and without."""
+    """Both kernels compile for sm_90, with programmatic dependent launch (griddepcontrol) and without, with sinks and
+    without."""
     from tests.kernels.test_wo_gemm import _compile_sm90, _ptxas_available
 
     if not _ptxas_available():
@@ -194,13 +230,13 @@ def test_kernels_compile_for_sm90(pdl):
         f"s_{a}{b}" for a, dims in (("q", "bhrd"), ("k", "bhsd"), ("v", "bhsd"), ("m", "bs"), ("o", "bhrd"))
         for b in dims)
     ints += ("s_ksh", "s_vsh")
-    for kind, fp8 in ((0, False), (1, False), (2, False), (1, True)):
+    for kind, fp8, sink in ((0, False, False), (1, False, False), (2, False, True), (1, True, True)):
         kv = "*u8" if fp8 else "*bf16"
         ptrs = dict(Q="*bf16", K=kv, V=kv, MASK={0: "*bf16", 1: "*u8", 2: "*bf16"}[kind], OUT="*bf16",
-                    ACC="*fp32", ML="*fp32", KS="*fp32", VS="*fp32", scale="fp32")
+                    ACC="*fp32", ML="*fp32", KS="*fp32", VS="*fp32", SINKS="*bf16", scale="fp32")
         for direct in (False, True):
             _compile_sm90(at._split_kernel, ptrs, ints,
-                          dict(MASK_KIND=kind, KV_FP8=fp8, DIRECT=direct, IEEE=False, EMU_BF16=False,
+                          dict(MASK_KIND=kind, KV_FP8=fp8, HAS_SINK=sink, DIRECT=direct, IEEE=False, EMU_BF16=False,
                                NATIVE_FP8=True, PDL=pdl, BLOCK_M=16, BLOCK_N=at.BLOCK_N, BLOCK_D=128), num_warps=4, launch_pdl=pdl)
     _compile_sm90(at._merge_kernel, dict(ACC="*fp32", ML="*fp32", OUT="*bf16"), ints,
                   dict(EMU_BF16=False, PDL=pdl, BLOCK_M=16, BLOCK_D=128, BLOCK_S=16), num_warps=4, launch_pdl=pdl)
@@ -236,6 +272,19 @@ def test_gpu_fp8_cache_matches_its_dequantized_read(dtype, per_head):
     out = at.decode_attention(q, kq, vq, m, None, ks, vs)
     want = oracle(q, kq, vq, m, None, ks, vs)
     torch.testing.assert_close(out.float(), want, atol=tol(dtype, want), rtol=0)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mask", ["bool", "float", "all-hidden"])
+def test_gpu_sinks_match_the_reference(dtype, mask):
+    """gpt-oss-20B's attention at batch 1 and 4 (64 query heads, 8 key / value heads, head_dim 64) with sinks."""
+    for b in (1, 4):
+        q, k, v, m = make(b=b, kvh=8, rep=8, s=1000, d=64, dtype=dtype, mask=mask, device="cuda")
+        s = sinks_of(q)
+        out = at.decode_attention(q, k, v, m, None, None, None, s)
+        want = oracle(q, k, v, m, None, sinks=s)
+        torch.testing.assert_close(out.float(), want, atol=tol(dtype, want) if want.abs().max() > 0 else 0, rtol=0)
 
 
 @gpu
