@@ -19,6 +19,16 @@ the dequantized copy of the cache is not made. It applies where the mask is abse
 (``(b, 1, 1, S)``, what transformers passes), dropout is 0 and ``is_causal`` is off; anything else is left as it
 is. Prefill (more than one query token) is left to SDPA's own kernels. ``backend(gqa_decode=False)`` turns the
 pass off.
+
+gpt-oss's attention has a learned logit per query head, a sink, that the softmax spans beside the keys; transformers
+writes it out in eager ops (no SDPA call): ``w = q @ repeat_kv(k).transpose(2, 3) * scaling (+ mask)``, ``cat([w,
+sinks.reshape(1, -1, 1, 1).expand(...)], -1)``, minus its row maximum, ``softmax``, the sink's column dropped
+(``[..., :-1]``), dropout (p = 0 or not training), a cast, ``@ repeat_kv(v)``. At one query token the pass replaces
+that chain by one ``qcompile::decode_attention`` call with the sinks (the op's module doc), on the key / value heads
+themselves. A mask written as ``torch.where(keep, 0, finfo.min)`` goes to the op as ``keep``: the keys it hides then
+add nothing, as ``finfo.min`` added to a score makes them add nothing beside the sink, and the kernel skips blocks it
+hides entirely (a sliding window's old keys). The chain is left alone where any of its values is used elsewhere
+(attention weights returned), where a value needs a gradient, or where its shapes are not one query token's.
 """
 
 from __future__ import annotations
@@ -83,6 +93,138 @@ def _fp8_dequantized(node, dtype) -> tuple[fx.Node, fx.Node, list[fx.Node]] | No
     return cast.args[0], scale, [node, cast]
 
 
+def _fn(node, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _method(node, *names) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _last_dim(node: fx.Node, i: int, name: str) -> bool:
+    """Whether the dim argument of ``node`` names the last of 4 dimensions."""
+    return _arg(node, i, name) in (-1, 3)
+
+
+def _sink_attention(node) -> tuple | None:
+    """(q, the repeats of k and v (:func:`_repeated`), mask, scale, sinks, the chain's nodes) when ``node`` is the last
+    matmul of gpt-oss's eager attention (module doc), else None."""
+    if not (_fn(node, torch.matmul) and len(node.args) == 2 and not node.kwargs):
+        return None
+    p, v = node.args[0], _repeated(node.args[1])
+    chain = [node]
+    if _method(p, "to"):
+        chain.append(p)
+        p = p.args[0]
+    if _fn(p, F.dropout):
+        if _arg(p, 1, "p", 0.5) != 0.0 and _arg(p, 2, "training", True) is not False:
+            return None
+        chain.append(p)
+        p = p.args[0]
+    if not (_fn(p, operator.getitem) and p.args[1] == (Ellipsis, slice(None, -1, None))):
+        return None
+    softmax = p.args[0]
+    if not (_fn(softmax, F.softmax, torch.softmax) and _last_dim(softmax, 1, "dim")):
+        return None
+    chain += [p, softmax]
+    combined = softmax.args[0]
+    if _fn(combined, operator.sub):  # minus the row maximum: combined - combined.max(dim=-1, keepdim=True)[0]
+        mx = combined.args[1]
+        if not (_fn(mx, operator.getitem) and mx.args[1] == 0 and _method(mx.args[0], "max")
+                and mx.args[0].args[0] is combined.args[0] and _last_dim(mx.args[0], 1, "dim")):
+            return None
+        chain += [combined, mx, mx.args[0]]
+        combined = combined.args[0]
+    if not (_fn(combined, torch.cat) and _last_dim(combined, 1, "dim") and len(combined.args[0]) == 2):
+        return None
+    w, expanded = combined.args[0]
+    if not (_method(expanded, "expand") and _method(expanded.args[0], "reshape", "view")):
+        return None
+    chain += [combined, expanded, expanded.args[0]]
+    sinks, mask = expanded.args[0].args[0], None
+    if _fn(w, operator.add):
+        chain.append(w)
+        w, mask = w.args
+    if not (_fn(w, operator.mul) and isinstance(w.args[1], (int, float)) and _fn(w.args[0], torch.matmul)):
+        return None
+    q, kt = w.args[0].args
+    if not (_method(kt, "transpose") and tuple(kt.args[1:]) in ((2, 3), (3, 2), (-2, -1), (-1, -2))):
+        return None
+    k = _repeated(kt.args[0])
+    if k is None or v is None:
+        return None
+    chain += [w, w.args[0], kt]
+    inside = set(chain)
+    if any(u not in inside for n in chain[1:] for u in n.users):  # a value of the chain is used elsewhere
+        return None
+    return q, k, v, mask, float(w.args[1]), sinks, chain
+
+
+def _keep_mask(mask) -> fx.Node | None:
+    """``keep`` where ``mask`` is ``torch.where(keep, 0, v)`` with v <= -1e38 (transformers' eager masks; the 0 a
+    constant or a ``torch.zeros`` node), else None."""
+    if not (_fn(mask, torch.where) and len(mask.args) == 3):
+        return None
+    keep, zero, low = mask.args
+    k = example(keep)
+    if k is None or k.dtype != torch.bool or not isinstance(low, (int, float)) or low > -1e38:
+        return None
+    if not (zero == 0 or (_fn(zero, torch.zeros) and not zero.kwargs.get("requires_grad", False))):
+        return None
+    return keep
+
+
+def _rewrite_sink_attention(graph: fx.Graph) -> int:
+    count = 0
+    for node in list(graph.nodes):
+        found = _sink_attention(node)
+        if found is None:
+            continue
+        qn, k, v, mask, scale, sinks, chain = found
+        q, out, s = example(qn), example(node), example(sinks)
+        heads = [example(k[0]), example(v[0])]
+        if any(t is None for t in (q, out, s, *heads)) or q.dim() != 4 or q.shape[2] != 1:
+            continue
+        b, h, _, d = q.shape
+        kvh = heads[0].shape[1]
+        if not all(isinstance(x, int) for x in (b, h, d, kvh, *out.shape, *heads[0].shape)):
+            continue  # dynamic shapes: left alone
+        if heads[1].shape[1] != kvh or h % kvh or s.numel() != h or out.dtype != q.dtype:
+            continue
+        m = None if mask is None else example(mask)
+        if mask is not None and (m is None or m.dim() != 4 or m.shape[1:3] != (1, 1)):
+            continue
+        if any(getattr(t, "requires_grad", True) for t in (q, *heads)):  # (sinks: a parameter, under no_grad too)
+            continue
+        keep = None if mask is None else _keep_mask(mask)
+        fp8 = [_fp8_dequantized(x, q.dtype) for x in (k[0], v[0])]
+        kv = (fp8[0][0], fp8[1][0], fp8[0][1], fp8[1][1]) if all(fp8) else (k[0], v[0], None, None)
+        with graph.inserting_before(node):
+            grouped = graph.call_method("reshape", (qn, b, kvh, h // kvh, d))
+            flat = graph.call_method("reshape", (sinks, h))
+            call = graph.call_function(decode_attention, (grouped, kv[0], kv[1], mask if keep is None else keep, scale,
+                                                          kv[2], kv[3], flat))
+            back = graph.call_method("reshape", (call, *out.shape))
+        node.replace_all_uses_with(back)
+        dead = chain + k[1] + v[1] + (fp8[0][2] + fp8[1][2] if all(fp8) else [])
+        if keep is not None:  # the float mask and its zero, once no other layer reads them
+            dead += [mask] + [a for a in mask.args[1:2] if isinstance(a, fx.Node)]
+        pending, erased = list(dict.fromkeys(dead)), set()
+        while True:  # each node once its users are gone (key and value may share one repeat; masks are shared)
+            gone = [n for n in pending if n not in erased and not n.users]
+            if not gone:
+                break
+            for n in gone:
+                graph.erase_node(n)
+                erased.add(n)
+        count += 1
+    return count
+
+
 def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
     """Rewrite every one-token grouped-query SDPA call of ``gm`` in place (see the module doc). Returns no
     explain rows (the table lists quantized layers); logs each rewrite."""
@@ -131,4 +273,5 @@ def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
             if not dead.users:
                 graph.erase_node(dead)
         count += 1
+    count += _rewrite_sink_attention(graph)
     return finish_rewrites(gm, count, "one-token grouped-query attention call(s) read their key / value heads once")

@@ -370,3 +370,123 @@ def test_fp8_cache_reads_its_codes(llama):
     dequantized = rf"\.mul_\({layer}[kv]_scale\)"
     assert len(re.findall(dequantized, before)) == 2 and not re.findall(dequantized, after), diff
     assert not re.search(rf"\b(?:{codes['key']}|{codes['value']})\.to\(", after), diff  # no dequantized copy
+
+
+# -- attention with sinks (gpt-oss), written out in eager ops --------------------------------------------------
+
+class SinkAttention(nn.Module):
+    """gpt-oss's eager attention as transformers writes it: repeat_kv, scaled scores plus the mask, each head's sink
+    logit as one more column, minus the row maximum, softmax, the sink's column dropped, dropout, P @ V. ``keep``
+    (bool) becomes the additive mask ``torch.where(keep, 0, finfo.min)``, as transformers' eager masks are made."""
+
+    def __init__(self, heads: int = 4, rep: int = 2, returns_weights: bool = False, dropout: float = 0.0):
+        super().__init__()
+        self.rep, self.returns_weights, self.dropout = rep, returns_weights, dropout
+        self.sinks = nn.Parameter(torch.randn(heads, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, q, k, v, keep=None, mask=None):
+        k, v = repeat_kv(k, self.rep), repeat_kv(v, self.rep)
+        w = torch.matmul(q, k.transpose(2, 3)) * 0.3
+        if keep is not None:
+            mask = torch.where(keep, torch.zeros((), dtype=q.dtype), torch.finfo(q.dtype).min)
+        if mask is not None:
+            w = w + mask
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+        combined = torch.cat([w, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)
+        weights = F.dropout(probs[..., :-1], p=self.dropout, training=self.training)
+        out = torch.matmul(weights, v)
+        return (out, weights) if self.returns_weights else out
+
+
+def test_sink_attention_graph():
+    module = SinkAttention()
+    _, before, after = compile_graph(module, *qkv(), _shared_mask("bool"))
+    assert_expected_inline(graph_diff(before, after), """\
+-getitem = l_k_[(slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None))]
+-expand = getitem.expand(2, 2, 2, 6, 8)
+-k = expand.reshape(2, 4, 6, 8)
+-getitem_1 = l_v_[(slice(None, None, None), slice(None, None, None), None, slice(None, None, None), slice(None, None, None))]
+-expand_1 = getitem_1.expand(2, 2, 2, 6, 8)
+-v = expand_1.reshape(2, 4, 6, 8)
+-transpose = k.transpose(2, 3)
+-matmul = torch.matmul(l_q_, transpose)
+-w = matmul * 0.3
+-zeros = torch.zeros((), dtype = torch.float32)
+-mask = torch.where(l_keep_, zeros, -3.4028234663852886e+38)
+-w_1 = w + mask
+-reshape = l_self_parameters_sinks_.reshape(1, -1, 1, 1)
+-sinks = reshape.expand(2, -1, 1, -1)
+-combined = torch.cat([w_1, sinks], dim = -1)
+-max = combined.max(dim = -1, keepdim = True)
+-getitem_2 = max[0]
+-combined_1 = combined - getitem_2
+-probs = torch.nn.functional.softmax(combined_1, dim = -1, dtype = torch.float32)
+-getitem_3 = probs[(Ellipsis, slice(None, -1, None))]
+-weights = torch.nn.functional.dropout(getitem_3, p = 0.0, training = True)
+-out = torch.matmul(weights, v)
++reshape_1 = l_q_.reshape(2, 2, 2, 8)
++reshape_2 = l_self_parameters_sinks_.reshape(4)
++decode_attention_default = torch.ops.qcompile.decode_attention.default(reshape_1, l_k_, l_v_, l_keep_, 0.3, None, None, reshape_2)
++reshape_3 = decode_attention_default.reshape(2, 4, 1, 8)""")
+
+
+@pytest.mark.parametrize("mask", ["none", "keep", "float"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (4, 4)])
+def test_sink_attention_is_rewritten_exactly(mask, heads, kv_heads):
+    q, k, v = qkv(heads=heads, kv_heads=kv_heads)
+    module = SinkAttention(heads, heads // kv_heads)
+    args = (q, k, v, _shared_mask("bool") if mask == "keep" else None, _shared_mask("float") if mask == "float" else None)
+    out, _, after = compile_graph(module, *args)
+    assert_rewritten(after, b=2, kv_heads=kv_heads, rep=heads // kv_heads, d=8)
+    assert "softmax" not in after and "where" not in after, after
+    torch.testing.assert_close(out, module(*args), **TOL)
+
+
+SINK_LEFT_ALONE = {  # module, qkv() arguments
+    "weights-returned": (SinkAttention(returns_weights=True), {}),
+    "three-query-tokens": (SinkAttention(), {"q_len": 3}),
+}
+
+
+@pytest.mark.parametrize("case", SINK_LEFT_ALONE)
+def test_sink_attention_left_alone(case):
+    module, shapes = SINK_LEFT_ALONE[case]
+    _, before, after = compile_graph(module, *qkv(**shapes), _shared_mask("bool"))
+    assert repeats(before) == 2 and before == after
+
+
+def test_sink_attention_with_dropout_in_training_is_left_alone():
+    module = SinkAttention(dropout=0.5).train()
+    torch._dynamo.reset()
+    graphs = []
+    be = qcompile.backend(inner="eager", on_graph=lambda before, after: graphs.append((before, after)))
+    with torch.no_grad():
+        torch.compile(module, backend=be, fullgraph=True, dynamic=False)(*qkv(), _shared_mask("bool"))
+    before, after = graphs[0]
+    assert repeats(before) == 2 and before == after
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gpt_oss_greedy_decode_matches_eager(batch):
+    """A tiny transformers gpt-oss (a sliding-window layer and a full one, sinks; qcompile's static cache, which
+    compiles one decode step): each layer's eager attention chain becomes one decode_attention call with the sinks,
+    the logits are the eager model's."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    from qcompile.kv_cache import static_cache
+
+    torch.manual_seed(0)
+    config = GptOssConfig(hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          vocab_size=100, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 17, 42, 99, 7, 8, 9], [3, 5, 8, 13, 21, 34, 55]])[:batch]
+    want, _ = greedy_decode(model, ids, 3, None, lambda n: static_cache(model, n))
+    got, graphs = greedy_decode(model, ids, 3, {}, lambda n: static_cache(model, n))
+    torch.testing.assert_close(got, want, **TOL)
+    before, after = graphs[0]
+    assert after.count("softmax(") == before.count("softmax(") - 2, after  # the routers' stay
+    assert len(re.findall(r"decode_attention\.default\(\w+, \w+, \w+, \w+, 0\.25, None, None, \w+\)", after)) == 2
+    assert not repeats(after), after
