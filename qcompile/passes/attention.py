@@ -193,7 +193,9 @@ def _rewrite_sink_attention(graph: fx.Graph) -> int:
         kvh = heads[0].shape[1]
         if not all(isinstance(x, int) for x in (b, h, d, kvh, *out.shape, *heads[0].shape)):
             continue  # dynamic shapes: left alone
-        if heads[1].shape[1] != kvh or h % kvh or s.numel() != h or out.dtype != q.dtype:
+        spread = example(next(n for n in chain if _method(n, "expand") and n.args[0].args[0] is sinks))
+        if heads[1].shape[1] != kvh or h % kvh or s.numel() != h or out.dtype != q.dtype \
+                or spread is None or tuple(spread.shape[1:]) != (h, 1, 1):  # one sink per query head
             continue
         m = None if mask is None else example(mask)
         if mask is not None and (m is None or m.dim() != 4 or m.shape[1:3] != (1, 1)):
