@@ -437,7 +437,8 @@ def test_sink_attention_graph():
 def test_sink_attention_is_rewritten_exactly(mask, heads, kv_heads):
     q, k, v = qkv(heads=heads, kv_heads=kv_heads)
     module = SinkAttention(heads, heads // kv_heads)
-    args = (q, k, v, _shared_mask("bool") if mask == "keep" else None, _shared_mask("float") if mask == "float" else None)
+    args = (q, k, v, _shared_mask("bool") if mask == "keep" else None,
+            _shared_mask("float") if mask == "float" else None)
     out, _, after = compile_graph(module, *args)
     assert_rewritten(after, b=2, kv_heads=kv_heads, rep=heads // kv_heads, d=8)
     assert "softmax" not in after and "where" not in after, after
