@@ -21,7 +21,8 @@ to less than 1. The kernel starts split 0 of each row with the sink as its runni
 
 Rows every key of which is masked come out 0, as SDPA's math does. Elsewhere (the CPU, a head dimension over
 256, a dtype other than fp16 / bf16 / fp32, no Triton) the op is ``F.scaled_dot_product_attention`` on the
-same tensors; that is its reference too. Its gradient is SDPA's (the pass leaves calls that need one to SDPA).
+same tensors; that is its reference too (with sinks, the same math written out in fp32). Its gradient is the
+reference's (the pass leaves calls that need one to SDPA).
 
 With ``k_scale`` / ``v_scale`` the keys and values are an FP8 KV cache's float8_e4m3fn codes
 (``qcompile/kv_cache.py``): the kernel dequantizes each block in registers exactly as the cache's read does,
