@@ -93,6 +93,25 @@ def _fp8_dequantized(node, dtype) -> tuple[fx.Node, fx.Node, list[fx.Node]] | No
     return cast.args[0], scale, [node, cast]
 
 
+def _cache_read(k: fx.Node, v: fx.Node, dtype) -> tuple[tuple, list[fx.Node]]:
+    """(keys, values, k_scale, v_scale) for decode_attention, and the nodes that read no longer needs: the FP8
+    cache's codes and scales where both are its dequantized read (:func:`_fp8_dequantized`), else k and v."""
+    fp8 = [_fp8_dequantized(x, dtype) for x in (k, v)]
+    if all(fp8):
+        return (fp8[0][0], fp8[1][0], fp8[0][1], fp8[1][1]), fp8[0][2] + fp8[1][2]
+    return (k, v, None, None), []
+
+
+def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase each of ``nodes`` once nothing reads it (repeated until none goes: a node may read another of them;
+    key and value may share one repeat; a mask may serve other layers, which keep it)."""
+    pending, erased = list(dict.fromkeys(nodes)), set()
+    while gone := [n for n in pending if n not in erased and not n.users]:
+        for n in gone:
+            graph.erase_node(n)
+            erased.add(n)
+
+
 def _fn(node, *targets) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
@@ -111,8 +130,8 @@ def _last_dim(node: fx.Node, i: int, name: str) -> bool:
 
 
 def _sink_attention(node) -> tuple | None:
-    """(q, the repeats of k and v (:func:`_repeated`), mask, scale, sinks, the chain's nodes) when ``node`` is the last
-    matmul of gpt-oss's eager attention (module doc), else None."""
+    """(q, the repeats of k and v (:func:`_repeated`), mask, scale, sinks, their expand to the scores' shape, the
+    chain's nodes) when ``node`` is the last matmul of gpt-oss's eager attention (module doc), else None."""
     if not (_fn(node, torch.matmul) and len(node.args) == 2 and not node.kwargs):
         return None
     p, v = node.args[0], _repeated(node.args[1])
@@ -161,7 +180,7 @@ def _sink_attention(node) -> tuple | None:
     inside = set(chain)
     if any(u not in inside for n in chain[1:] for u in n.users):  # a value of the chain is used elsewhere
         return None
-    return q, k, v, mask, float(w.args[1]), sinks, chain
+    return q, k, v, mask, float(w.args[1]), sinks, expanded, chain
 
 
 def _keep_mask(mask) -> fx.Node | None:
@@ -184,7 +203,7 @@ def _rewrite_sink_attention(graph: fx.Graph) -> int:
         found = _sink_attention(node)
         if found is None:
             continue
-        qn, k, v, mask, scale, sinks, chain = found
+        qn, k, v, mask, scale, sinks, expanded, chain = found
         q, out, s = example(qn), example(node), example(sinks)
         heads = [example(k[0]), example(v[0])]
         if any(t is None for t in (q, out, s, *heads)) or q.dim() != 4 or q.shape[2] != 1:
@@ -193,7 +212,7 @@ def _rewrite_sink_attention(graph: fx.Graph) -> int:
         kvh = heads[0].shape[1]
         if not all(isinstance(x, int) for x in (b, h, d, kvh, *out.shape, *heads[0].shape)):
             continue  # dynamic shapes: left alone
-        spread = example(next(n for n in chain if _method(n, "expand") and n.args[0].args[0] is sinks))
+        spread = example(expanded)
         if heads[1].shape[1] != kvh or h % kvh or s.numel() != h or out.dtype != q.dtype \
                 or spread is None or tuple(spread.shape[1:]) != (h, 1, 1):  # one sink per query head
             continue
@@ -203,8 +222,7 @@ def _rewrite_sink_attention(graph: fx.Graph) -> int:
         if any(getattr(t, "requires_grad", True) for t in (q, *heads)):  # (sinks: a parameter, under no_grad too)
             continue
         keep = None if mask is None else _keep_mask(mask)
-        fp8 = [_fp8_dequantized(x, q.dtype) for x in (k[0], v[0])]
-        kv = (fp8[0][0], fp8[1][0], fp8[0][1], fp8[1][1]) if all(fp8) else (k[0], v[0], None, None)
+        kv, reads = _cache_read(k[0], v[0], q.dtype)
         with graph.inserting_before(node):
             grouped = graph.call_method("reshape", (qn, b, kvh, h // kvh, d))
             flat = graph.call_method("reshape", (sinks, h))
@@ -212,17 +230,10 @@ def _rewrite_sink_attention(graph: fx.Graph) -> int:
                                                           kv[2], kv[3], flat))
             back = graph.call_method("reshape", (call, *out.shape))
         node.replace_all_uses_with(back)
-        dead = chain + k[1] + v[1] + (fp8[0][2] + fp8[1][2] if all(fp8) else [])
+        dead = chain + k[1] + v[1] + reads
         if keep is not None:  # the float mask and its zero, once no other layer reads them
             dead += [mask] + [a for a in mask.args[1:2] if isinstance(a, fx.Node)]
-        pending, erased = list(dict.fromkeys(dead)), set()
-        while True:  # each node once its users are gone (key and value may share one repeat; masks are shared)
-            gone = [n for n in pending if n not in erased and not n.users]
-            if not gone:
-                break
-            for n in gone:
-                graph.erase_node(n)
-                erased.add(n)
+        _erase_unused(graph, dead)
         count += 1
     return count
 
@@ -254,7 +265,7 @@ def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
             if m is None or m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1:
                 continue
         grad = any(getattr(example(x), "requires_grad", True) for x in (args["query"], k[0], v[0]))
-        fp8 = [] if grad else [_fp8_dequantized(x, q.dtype) for x in (k[0], v[0])]
+        kv, reads = ((k[0], v[0], None, None), []) if grad else _cache_read(k[0], v[0], q.dtype)
         with graph.inserting_before(node):
             grouped = graph.call_method("reshape", (args["query"], b, kvh, h // kvh, d))
             if grad:  # SDPA's own backward
@@ -262,18 +273,13 @@ def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
                 if args.get("scale") is not None:
                     kwargs["scale"] = args["scale"]
                 out = graph.call_function(node.target, (grouped, k[0], v[0]), kwargs)
-            elif all(fp8):  # an FP8 cache: the kernel reads the codes and dequantizes in registers
-                out = graph.call_function(decode_attention, (grouped, fp8[0][0], fp8[1][0], mask, args.get("scale"),
-                                                             fp8[0][1], fp8[1][1]))
+            elif reads:  # an FP8 cache: the kernel reads the codes and dequantizes in registers
+                out = graph.call_function(decode_attention, (grouped, kv[0], kv[1], mask, args.get("scale"), *kv[2:]))
             else:
-                out = graph.call_function(decode_attention, (grouped, k[0], v[0], mask, args.get("scale")))
+                out = graph.call_function(decode_attention, (grouped, kv[0], kv[1], mask, args.get("scale")))
             back = graph.call_method("reshape", (out, *shape))
         node.replace_all_uses_with(back)
-        graph.erase_node(node)
-        reads = fp8[0][2] + fp8[1][2] if fp8 and all(fp8) else []  # the FP8 cache's dequantizing nodes
-        for dead in dict.fromkeys(k[1] + v[1] + reads):  # key and value may share one repeat
-            if not dead.users:
-                graph.erase_node(dead)
+        _erase_unused(graph, [node] + k[1] + v[1] + reads)
         count += 1
     count += _rewrite_sink_attention(graph)
     return finish_rewrites(gm, count, "one-token grouped-query attention call(s) read their key / value heads once")
