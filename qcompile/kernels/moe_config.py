@@ -324,8 +324,8 @@ def tune(e: int, h: int, i: int, k: int, t: int, scheme: str, activation: str = 
     layout of :data:`TUNE_LAYOUTS`, then the top-k fold and each GEMM's parameters one at a time
     (coordinate descent) from the fastest of :func:`get_config` and the tensor-core layouts, and from the
     one-row layout; the fastest is returned and (``save``) written to :func:`cache_path` for this GPU.
-    ``t`` stands for the tokens its power of 2 covers. The calls cycle through ``routings`` seeded routings, so that the experts are read
-    from memory as a model's layers read them, not from L2."""
+    ``t`` stands for the tokens its power of 2 covers. The calls cycle through ``routings`` seeded routings,
+    so that the experts are read from memory as a model's layers read them, not from L2."""
     if not torch.cuda.is_available():
         raise UnsupportedError("tune times the kernels on a CUDA GPU and this machine has none", where="fused_moe tune",
                                fix="run it on the GPU that will run the model")
