@@ -75,7 +75,8 @@ def parse_args(argv=None):
                         f"{', '.join(ONLINE)}, and qcompile.synth's quantized formats (gpt_oss: gptoss-mxfp4); "
                         "FORMAT@KERNEL runs FORMAT with that kernel override (e.g. modelopt-fp8@fp8_scaled_mm); "
                         "FORMAT[@KERNEL]~KEY=VALUE[+KEY=VALUE] with qcompile backend options, a dotted KEY an "
-                        "inductor config entry (e.g. ct-w4a16~small_topk=0, ct-w4a16~triton.enable_pdl=0+fuse=0): "
+                        "inductor config entry, a top-level one written inductor.KEY (e.g. ct-w4a16~small_topk=0, "
+                        "ct-w4a16~triton.enable_pdl=0+fuse=0, ct-w4a16~inductor.combo_kernels=0): "
                         "one run can interleave the same checkpoint both ways (HF generate too)")
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default: 32 llama, 4 qwen3_moe and gpt_oss)")
@@ -148,8 +149,9 @@ def split_format(fmt: str) -> tuple[str, str | None, dict]:
 
 
 def backend_options(fmt: str) -> dict:
-    """qcompile.backend keyword arguments of ``fmt``'s options (dotted keys go to ``inductor_config``), checked
-    by the backend (option names, boolean values, inductor's config names)."""
+    """qcompile.backend keyword arguments of ``fmt``'s options (dotted keys go to ``inductor_config``, a top-level
+    entry of inductor's config written ``inductor.KEY``), checked by the backend (option names, boolean values,
+    inductor's config names)."""
     import qcompile
 
     _, kernels, options = split_format(fmt)
@@ -158,7 +160,7 @@ def backend_options(fmt: str) -> dict:
         if key in SET_BY_THE_RUN:
             raise ValueError(f"{key!r} is set by the benchmark (--inner, CUDA graphs on the GPU)")
         if "." in key:
-            out["inductor_config"][key] = value
+            out["inductor_config"][key.removeprefix("inductor.")] = value
         else:
             out[key] = value
     qcompile.backend(**out)  # qcompile's ConfigError names a bad option

@@ -70,6 +70,8 @@ def test_format_options():
         ("modelopt-fp8", "fp8_scaled_mm", {"fuse": False, "triton.enable_pdl": True})
     assert e2e_decode.backend_options("ct-w4a16~small_topk=0+triton.enable_pdl=1") == \
         {"kernels": None, "inductor_config": {"triton.enable_pdl": True}, "small_topk": False}
+    assert e2e_decode.backend_options("modelopt-fp8~inductor.combo_kernels=0") == \
+        {"kernels": None, "inductor_config": {"combo_kernels": False}}
     args = e2e_decode.parse_args(["--formats", "bf16,ct-w4a16~small_topk=0+triton.enable_pdl=0", "ct-w4a16@wo_mma~fuse=0"])
     assert args.formats == ["bf16", "ct-w4a16~small_topk=0+triton.enable_pdl=0", "ct-w4a16@wo_mma~fuse=0"]
 
@@ -77,6 +79,7 @@ def test_format_options():
 @pytest.mark.parametrize("fmt, message", [
     ("ct-w4a16~fused=0", "unknown qcompile option(s) ['fused']"),
     ("ct-w4a16~fuse", "option 'fuse': write KEY=VALUE"),
+    ("ct-w4a16~inductor.combo_kernel=0", "inductor has no config entry 'combo_kernel'"),
     ("ct-w4a16~small_topk=no", "option small_topk must be True or False, got 'no'"),
     ("ct-w4a16~triton.enable_pdll=0", "inductor has no config entry 'triton.enable_pdll'"),
     ("ct-w4a16~cudagraphs=0", "'cudagraphs' is set by the benchmark"),
