@@ -154,11 +154,16 @@ class QCompileBackend:
 
 
 def inductor_patches(options: Options, example_inputs) -> dict:
-    """Inductor's config patches for a graph: the user's ``inductor_config``, CUDA graphs on request, and
-    programmatic dependent launch for inductor's Triton kernels on sm_90+ GPUs (each kernel waits for
-    the previous one only before its first dependent read, so its launch overlaps the previous kernel's tail;
-    the weight-only kernel does the same). ``QCOMPILE_PDL=0``, ``TORCHINDUCTOR_ENABLE_PDL``, an
-    ``inductor_config`` entry ``triton.enable_pdl`` or inductor's config set by the caller decides instead."""
+    """Inductor's config patches for a graph: the user's ``inductor_config``, CUDA graphs on request, and on
+    CUDA:
+
+    * programmatic dependent launch for inductor's Triton kernels on sm_90+ GPUs (each kernel waits for
+      the previous one only before its first dependent read, so its launch overlaps the previous kernel's
+      tail; the weight-only kernel does the same). ``QCOMPILE_PDL=0``, ``TORCHINDUCTOR_ENABLE_PDL``, an
+      ``inductor_config`` entry ``triton.enable_pdl`` or inductor's config set by the caller decides instead;
+    * with CUDA graphs (a decode step), combo kernels (``combo_kernels``): independent small kernels launched
+      as one, such as a decoder layer's rotary embedding of q and k, its cache writes and its attention mask.
+      An ``inductor_config`` entry ``combo_kernels`` or inductor's config set by the caller decides instead."""
     import os
 
     import torch
@@ -169,12 +174,15 @@ def inductor_patches(options: Options, example_inputs) -> dict:
     patches = dict(options.inductor_config)
     if options.cudagraphs:
         patches["triton.cudagraphs"] = True
+    cuda = [t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+    if not cuda:
+        return patches
     user_set = ("triton.enable_pdl" in patches or "TORCHINDUCTOR_ENABLE_PDL" in os.environ
                 or not inductor_config._is_default("triton.enable_pdl"))
-    if not user_set:
-        cuda = [t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
-        if cuda and pdl_default(torch.cuda.get_device_capability(cuda[0])):
-            patches["triton.enable_pdl"] = True
+    if not user_set and pdl_default(torch.cuda.get_device_capability(cuda[0])):
+        patches["triton.enable_pdl"] = True
+    if options.cudagraphs and "combo_kernels" not in patches and inductor_config._is_default("combo_kernels"):
+        patches["combo_kernels"] = True
     return patches
 
 

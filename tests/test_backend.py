@@ -164,6 +164,18 @@ def test_inductor_config_set_by_the_caller_decides_pdl(monkeypatch):
         assert inductor_patches(Options(), [x]) == {}
 
 
+def test_cuda_graphs_get_combo_kernels_unless_the_caller_decides(monkeypatch):
+    from qcompile.backend import Options, inductor_patches
+    x = fake_cuda_input(monkeypatch, (8, 0))  # any CUDA GPU
+    graphs = Options(cudagraphs=True)
+    assert inductor_patches(graphs, [x])["combo_kernels"] is True
+    assert "combo_kernels" not in inductor_patches(Options(), [x])  # no CUDA graphs: inductor's default
+    given = Options.make({"inductor_config": {"combo_kernels": False}, "cudagraphs": True})
+    assert inductor_patches(given, [x])["combo_kernels"] is False
+    with torch._inductor.config.patch({"combo_kernels": False}):
+        assert "combo_kernels" not in inductor_patches(graphs, [x])
+
+
 def test_inductor_patches_leave_cpu_graphs_alone():
     from qcompile.backend import Options, inductor_patches
     assert inductor_patches(Options(), [torch.empty(2, 8)]) == {}
