@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import ConfigError
+from .errors import ConfigError, QCompileError
 
 log = logging.getLogger("qcompile")
 
@@ -146,8 +146,17 @@ class QCompileBackend:
         from .kernels import fp8
         patches = inductor_patches(self.options, example_inputs)
         # kernels whose op inductor replaces by graph ops (fp8_inductor), so they fuse with their neighbours
-        return compile_fx(gm, example_inputs, config_patches=patches,
-                          decompositions={**select_decomp_table(), **fp8.DECOMPOSITIONS})
+        decompositions = {**select_decomp_table(), **fp8.DECOMPOSITIONS}
+        if patches.get("combo_kernels") and "combo_kernels" not in self.options.inductor_config:
+            try:
+                return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+            except QCompileError:
+                raise
+            except Exception as e:  # combo kernels, which the backend chose, fail on some graphs in some versions
+                log.warning("inductor failed with combo kernels on (%s: %s); compiling this graph without them",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                patches = {**patches, "combo_kernels": False}
+        return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
 
     def explain(self) -> str:
         return format_explain(self.rows)

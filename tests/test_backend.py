@@ -172,8 +172,44 @@ def test_cuda_graphs_get_combo_kernels_unless_the_caller_decides(monkeypatch):
     assert "combo_kernels" not in inductor_patches(Options(), [x])  # no CUDA graphs: inductor's default
     given = Options.make({"inductor_config": {"combo_kernels": False}, "cudagraphs": True})
     assert inductor_patches(given, [x])["combo_kernels"] is False
-    with torch._inductor.config.patch({"combo_kernels": False}):
-        assert "combo_kernels" not in inductor_patches(graphs, [x])
+    # inductor's config set by the caller (as config.patch would, without its lasting mark on the entry)
+    from torch.utils._config_module import ConfigModule
+    real = ConfigModule._is_default
+    monkeypatch.setattr(ConfigModule, "_is_default", lambda self, key: key != "combo_kernels" and real(self, key))
+    assert "combo_kernels" not in inductor_patches(graphs, [x])
+
+
+@pytest.mark.parametrize("given, error, compiles", [
+    ({}, AttributeError("a combo kernel's constexpr"), [True, False]),   # the backend's choice: once more without
+    ({"inductor_config": {"combo_kernels": True}}, AttributeError("x"), [True]),  # the caller's: inductor's error
+    ({}, UnsupportedError("no kernel"), [True]),                         # qcompile's own error stands
+])
+def test_combo_kernels_the_backend_chose_give_way_where_inductor_fails(monkeypatch, caplog, given, error, compiles):
+    import logging
+
+    import torch._inductor.compile_fx as compile_fx
+    from qcompile.backend import QCompileBackend
+
+    x = fake_cuda_input(monkeypatch, (9, 0))
+    seen = []
+
+    def fake_compile_fx(gm, inputs, config_patches, decompositions):
+        seen.append(config_patches.get("combo_kernels"))
+        if config_patches.get("combo_kernels"):
+            raise error
+        return "compiled"
+
+    monkeypatch.setattr(compile_fx, "compile_fx", fake_compile_fx)
+    be = QCompileBackend(cudagraphs=True, **given)
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    with caplog.at_level(logging.WARNING, logger="qcompile"):
+        if len(compiles) == 2:
+            assert be._inner(gm, [x]) == "compiled"
+            assert "inductor failed with combo kernels on (AttributeError" in caplog.text
+        else:
+            with pytest.raises(type(error)):
+                be._inner(gm, [x])
+    assert seen == compiles
 
 
 def test_inductor_patches_leave_cpu_graphs_alone():
