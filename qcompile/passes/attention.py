@@ -273,10 +273,9 @@ def rewrite_gqa_decode(gm: fx.GraphModule, example_inputs=None) -> list:
                 if args.get("scale") is not None:
                     kwargs["scale"] = args["scale"]
                 out = graph.call_function(node.target, (grouped, k[0], v[0]), kwargs)
-            elif reads:  # an FP8 cache: the kernel reads the codes and dequantizes in registers
-                out = graph.call_function(decode_attention, (grouped, kv[0], kv[1], mask, args.get("scale"), *kv[2:]))
-            else:
-                out = graph.call_function(decode_attention, (grouped, kv[0], kv[1], mask, args.get("scale")))
+            else:  # an FP8 cache's codes and scales where it reads one: the kernel dequantizes in registers
+                scales = kv[2:] if reads else ()
+                out = graph.call_function(decode_attention, (grouped, kv[0], kv[1], mask, args.get("scale"), *scales))
             back = graph.call_method("reshape", (out, *shape))
         node.replace_all_uses_with(back)
         _erase_unused(graph, [node] + k[1] + v[1] + reads)
