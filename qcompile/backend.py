@@ -168,11 +168,16 @@ def inductor_patches(options: Options, example_inputs) -> dict:
 
     * programmatic dependent launch for inductor's Triton kernels on sm_90+ GPUs (each kernel waits for
       the previous one only before its first dependent read, so its launch overlaps the previous kernel's
-      tail; the weight-only kernel does the same). ``QCOMPILE_PDL=0``, ``TORCHINDUCTOR_ENABLE_PDL``, an
-      ``inductor_config`` entry ``triton.enable_pdl`` or inductor's config set by the caller decides instead;
+      tail; the weight-only kernel does the same). ``QCOMPILE_PDL=0``, ``TORCHINDUCTOR_ENABLE_PDL`` or an
+      ``inductor_config`` entry ``triton.enable_pdl`` decides instead;
     * with CUDA graphs (a decode step), combo kernels (``combo_kernels``): independent small kernels launched
       as one, such as a decoder layer's rotary embedding of q and k, its cache writes and its attention mask.
-      An ``inductor_config`` entry ``combo_kernels`` or inductor's config set by the caller decides instead."""
+      An ``inductor_config`` entry ``combo_kernels`` decides instead.
+
+    Where inductor's config has a setting on already, it is left as it is. Whether the caller set inductor's
+    config is not asked: every compile with config patches (this backend's, ``mode="max-autotune"``'s...)
+    leaves its entries marked as set once it ends, so that after the first graph of a process every later
+    graph would look as if the caller had decided."""
     import os
 
     import torch
@@ -186,11 +191,11 @@ def inductor_patches(options: Options, example_inputs) -> dict:
     cuda = [t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
     if not cuda:
         return patches
-    user_set = ("triton.enable_pdl" in patches or "TORCHINDUCTOR_ENABLE_PDL" in os.environ
-                or not inductor_config._is_default("triton.enable_pdl"))
-    if not user_set and pdl_default(torch.cuda.get_device_capability(cuda[0])):
+    decided = ("triton.enable_pdl" in patches or "TORCHINDUCTOR_ENABLE_PDL" in os.environ
+               or inductor_config.triton.enable_pdl)
+    if not decided and pdl_default(torch.cuda.get_device_capability(cuda[0])):
         patches["triton.enable_pdl"] = True
-    if options.cudagraphs and "combo_kernels" not in patches and inductor_config._is_default("combo_kernels"):
+    if options.cudagraphs and "combo_kernels" not in patches and not inductor_config.combo_kernels:
         patches["combo_kernels"] = True
     return patches
 

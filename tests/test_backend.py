@@ -156,12 +156,26 @@ def test_inductor_kernels_use_pdl_on_sm90(monkeypatch, capability, env, given, e
     assert patches["triton.cudagraphs"] is True
 
 
-def test_inductor_config_set_by_the_caller_decides_pdl(monkeypatch):
+def test_pdl_on_in_inductors_config_is_left_alone(monkeypatch):
     from qcompile.backend import Options, inductor_patches
     x = fake_cuda_input(monkeypatch, (9, 0))
     assert inductor_patches(Options(), [x]) == {"triton.enable_pdl": True}
-    with torch._inductor.config.patch({"triton.enable_pdl": False}):
+    with torch._inductor.config.patch({"triton.enable_pdl": True}):
         assert inductor_patches(Options(), [x]) == {}
+
+
+def test_every_graph_of_a_process_gets_the_launch_settings(monkeypatch):
+    """A compile with config patches (this backend's own: inductor compiles under ``config.patch``) leaves the
+    entries marked as set by the caller when it ends; the next graph still gets PDL and combo kernels."""
+    from qcompile.backend import Options, inductor_patches
+    x = fake_cuda_input(monkeypatch, (9, 0))
+    graphs = Options(cudagraphs=True)
+    first = inductor_patches(graphs, [x])
+    assert first["triton.enable_pdl"] is True and first["combo_kernels"] is True
+    with torch._inductor.config.patch({k: v for k, v in first.items() if k != "triton.cudagraphs"}):
+        pass
+    assert not torch._inductor.config._is_default("combo_kernels")  # the mark a compile leaves
+    assert inductor_patches(graphs, [x]) == first
 
 
 def test_cuda_graphs_get_combo_kernels_unless_the_caller_decides(monkeypatch):
@@ -172,11 +186,8 @@ def test_cuda_graphs_get_combo_kernels_unless_the_caller_decides(monkeypatch):
     assert "combo_kernels" not in inductor_patches(Options(), [x])  # no CUDA graphs: inductor's default
     given = Options.make({"inductor_config": {"combo_kernels": False}, "cudagraphs": True})
     assert inductor_patches(given, [x])["combo_kernels"] is False
-    # inductor's config set by the caller (as config.patch would, without its lasting mark on the entry)
-    from torch.utils._config_module import ConfigModule
-    real = ConfigModule._is_default
-    monkeypatch.setattr(ConfigModule, "_is_default", lambda self, key: key != "combo_kernels" and real(self, key))
-    assert "combo_kernels" not in inductor_patches(graphs, [x])
+    with torch._inductor.config.patch({"combo_kernels": True}):  # on in inductor's config already: left alone
+        assert "combo_kernels" not in inductor_patches(graphs, [x])
 
 
 @pytest.mark.parametrize("given, error, compiles", [

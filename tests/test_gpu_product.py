@@ -108,6 +108,23 @@ def test_launch_settings_give_the_same_bits(fmt, knob, marker, synth_ckpt, testd
             assert torch.equal(without, with_)
 
 
+def test_every_graph_of_a_process_gets_the_launch_settings(synth_ckpt):
+    """The backend's defaults (PDL for inductor's kernels, combo kernels under CUDA graphs) reach every graph
+    compiled in a process, not only the first: each compile leaves inductor's config entries it patched marked
+    as set by the caller."""
+    from torch._inductor.utils import run_and_get_code
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    model = qcompile.load(str(synth_ckpt("ct-w4a16")), device="cuda")
+    for _ in range(2):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=qcompile.backend(cudagraphs=True))
+        with torch.no_grad():
+            _, code = run_and_get_code(lambda: compiled(IDS.cuda()).logits.clone())
+        assert any("gdc_wait" in c for c in code) and any("num_xblocks_" in c for c in code)
+
+
 @pytest.mark.parametrize("fmt", ["ct-w4a16", "ct-w8a16", "modelopt-nvfp4", "quark-mxfp4"])
 def test_save_after_a_gpu_load_writes_the_source(fmt, synth_ckpt, tmp_path):
     src = synth_ckpt(fmt)
