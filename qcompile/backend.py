@@ -11,7 +11,8 @@ the ``torch_dynamo_backends`` entry point) and, from a source checkout too, once
 Pipeline on the graph Dynamo hands over: the passes in order (:meth:`QCompileBackend.passes`: the Fuse
 pass ``qcompile.passes.fuse_linears`` (off with ``fuse=False``), the Linear pass ``qcompile.passes.linear``,
 the Experts pass ``qcompile.passes.experts``, then the decode-attention pass ``qcompile.passes.attention`` (off
-with ``gqa_decode=False``), and under inductor the top-k pass ``qcompile.passes.topk`` (off with
+with ``gqa_decode=False``), the counter pass ``qcompile.passes.counters`` (off with ``batch_counters=False``),
+and under inductor the top-k pass ``qcompile.passes.topk`` (off with
 ``small_topk=False``) and the small-linear pass ``qcompile.passes.small_linear`` (off with ``small_linear=False``)),
 then the inner compiler, on the graph less the inputs whose
 tensors the Fuse pass made views of its fused constants (nothing reads them any more). ``qcompile.explain()``
@@ -41,6 +42,7 @@ class Options:
     ignore: list[str] = field(default_factory=list)  # online: modules to leave alone
     fuse: bool = True  # run linears that share an input (q/k/v, gate/up) as one matmul
     gqa_decode: bool = True  # one-token grouped-query attention reads each key / value head once
+    batch_counters: bool = True  # the cache layers' length-counter increments as one add at the graph's end
     small_topk: bool = True  # inductor on CUDA: a router's top-k as selection steps fused into one kernel
     small_linear: bool = True  # inductor on CUDA: a decode-size linear with few outputs (a router) as a reduction
     cudagraphs: bool = False  # inductor: capture CUDA graphs (like mode="reduce-overhead")
@@ -111,6 +113,7 @@ class QCompileBackend:
         """The lowering passes, in the order they run: each rewrites the graph in place and returns its
         explain rows."""
         from .passes.attention import rewrite_gqa_decode
+        from .passes.counters import batch_counter_increments
         from .passes.experts import lower_experts
         from .passes.fuse_linears import fuse_linears
         from .passes.linear import lower_linears
@@ -120,6 +123,7 @@ class QCompileBackend:
         kernels = self.options.kernels
         fuse = [lambda gm, ex: fuse_linears(gm, ex, kernels=kernels, online=self._online)] if self.options.fuse else []
         gqa = [rewrite_gqa_decode] if self.options.gqa_decode else []
+        gqa += [batch_counter_increments] if self.options.batch_counters else []
         inner = self.options.inner
         topk = [rewrite_small_topk] if self.options.small_topk and inner == "inductor" else []
         small = [rewrite_small_linears] if self.options.small_linear and inner == "inductor" else []

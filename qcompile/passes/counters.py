@@ -1,0 +1,114 @@
+"""The counter pass: the layers' in-place length-counter increments as one multi-tensor add at the graph's end.
+
+transformers' static cache (and qcompile's FP8 cache) keeps one length counter per layer, a 0-dim integer tensor
+the layer's ``update`` reads (``cache_position = arange(n) + counter``) and then bumps in place
+(``counter.add_(n)``) in the middle of the layer. Compiled, every increment is its own tiny kernel between the
+layer's matmuls: 32 launches per decode step of a 32-layer model, none of which anything later in the step
+reads. This pass removes those ``add_`` calls and adds one ``torch._foreach_add_(counters, n)`` per amount at
+the end of the graph, which inductor compiles into one kernel. The counters end the step with the same values.
+
+An increment is moved only where that cannot change what the graph computes: ``tensor.add_(number)`` with its
+result unused, on a 0-dim integer graph input that nothing reads after the increment (the reads before it being
+arithmetic that makes a new tensor, or anything whose uses all come before the increment), the inputs of a group
+distinct tensors that share no memory. At least two such increments per graph, or nothing changes.
+``backend(batch_counters=False)`` turns the pass off.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from .lowering import finish_rewrites
+
+# calls that read a tensor into a new one (their results never alias the counter)
+_NEW = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.lt, operator.le,
+        operator.gt, operator.ge, operator.eq, operator.ne, torch.add, torch.sub, torch.mul, torch.eq, torch.lt,
+        torch.le, torch.gt, torch.ge}
+_NEW_METHODS = {"add", "sub", "mul", "eq", "lt", "le", "gt", "ge", "item", "tolist", "clone"}
+
+
+def _reads_end_before(node: fx.Node, stop: int, order: dict) -> bool:
+    """Whether every use of ``node``'s value (through any call that may return a view of it) is placed before
+    graph position ``stop``."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if order[user] >= stop:
+                return False
+            if not (user.target in _NEW if user.op == "call_function" else
+                    user.op == "call_method" and user.target in _NEW_METHODS):
+                todo.append(user)
+    return True
+
+
+def _increment(node: fx.Node, order: dict) -> tuple[fx.Node, int | float] | None:
+    """(the counter placeholder, the amount) when ``node`` is an increment the pass may move (module doc)."""
+    if not (node.op == "call_method" and node.target == "add_" and len(node.args) == 2 and not node.kwargs
+            and not node.users):
+        return None
+    counter, amount = node.args
+    if not (isinstance(counter, fx.Node) and counter.op == "placeholder" and type(amount) in (int, float)):
+        return None
+    value = counter.meta.get("example_value")
+    if not (isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point
+            and not value.is_complex() and value.dtype != torch.bool):
+        return None
+    for user in counter.users:
+        if user is node:
+            continue
+        if order[user] > order[node]:
+            return None
+        if not (user.target in _NEW if user.op == "call_function" else
+                user.op == "call_method" and user.target in _NEW_METHODS) and \
+                not _reads_end_before(user, order[node], order):
+            return None
+    return counter, amount
+
+
+def _distinct(counters: list[fx.Node], gm: fx.GraphModule, example_inputs) -> bool:
+    """Whether the counters' tensors (the example inputs Dynamo passes; else their example values) share no
+    memory."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    real = dict(zip(placeholders, example_inputs)) if len(example_inputs or ()) == len(placeholders) else {}
+    pointers = set()
+    for node in counters:
+        t = real.get(node, node.meta.get("example_value"))
+        try:
+            ptr = (t.device, t.untyped_storage().data_ptr())
+        except (RuntimeError, AttributeError):  # a tensor without storage to compare: left alone
+            return False
+        if ptr in pointers:
+            return False
+        pointers.add(ptr)
+    return True
+
+
+def batch_counter_increments(gm: fx.GraphModule, example_inputs=None) -> list:
+    """Move the counter increments of ``gm`` to one ``_foreach_add_`` per amount at its end (module doc).
+    Returns no explain rows; logs how many increments it moved."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    found = [(n, hit) for n in graph.nodes if (hit := _increment(n, order)) is not None]
+    groups: dict[tuple, list] = {}
+    for node, (counter, amount) in found:
+        value = counter.meta["example_value"]
+        groups.setdefault((amount, type(amount), value.device, value.dtype), []).append((node, counter))
+    output = next(n for n in graph.nodes if n.op == "output")
+    count = 0
+    for (amount, *_), members in groups.items():
+        counters = [c for _, c in members]
+        if len(members) < 2 or len(set(counters)) != len(counters) or not _distinct(counters, gm, example_inputs):
+            continue
+        for node, _ in members:
+            graph.erase_node(node)
+        with graph.inserting_before(output):
+            graph.call_function(torch._foreach_add_, (counters, amount))
+        count += len(members)
+    return finish_rewrites(gm, count, "counter increment(s) batched into one multi-tensor add")
