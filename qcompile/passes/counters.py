@@ -9,8 +9,8 @@ the end of the graph, which inductor compiles into one kernel. The counters end 
 
 An increment is moved only where that cannot change what the graph computes: ``tensor.add_(number)`` with its
 result unused, on a 0-dim integer graph input that nothing reads after the increment (the reads before it being
-arithmetic that makes a new tensor, or anything whose uses all come before the increment), the inputs of a group
-distinct tensors that share no memory. At least two such increments per graph, or nothing changes.
+arithmetic that makes a new tensor, or anything whose uses all come before the increment), whose memory no other
+graph input shares. At least two such increments per graph, or nothing changes.
 ``backend(batch_counters=False)`` turns the pass off.
 """
 
@@ -73,20 +73,28 @@ def _increment(node: fx.Node, order: dict) -> tuple[fx.Node, int | float] | None
 
 
 def _distinct(counters: list[fx.Node], gm: fx.GraphModule, example_inputs) -> bool:
-    """Whether the counters' tensors (the example inputs Dynamo passes; else their example values) share no
-    memory."""
+    """Whether no other graph input shares memory with a counter, nor two counters one another: judged on the
+    tensors Dynamo passes as example inputs (without them, or with fake ones, nothing is moved)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    real = dict(zip(placeholders, example_inputs)) if len(example_inputs or ()) == len(placeholders) else {}
-    pointers = set()
+    if len(example_inputs or ()) != len(placeholders):
+        return False
+    real = dict(zip(placeholders, example_inputs))
+    seen: dict = {}
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor):
+            try:
+                key = (t.device, t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # no storage to compare (a fake or a subclass)
+                continue
+            seen[key] = seen.get(key, 0) + 1
     for node in counters:
-        t = real.get(node, node.meta.get("example_value"))
+        t = real[node]
         try:
-            ptr = (t.device, t.untyped_storage().data_ptr())
-        except (RuntimeError, AttributeError):  # a tensor without storage to compare: left alone
+            key = (t.device, t.untyped_storage().data_ptr())
+        except (AttributeError, RuntimeError, NotImplementedError):
             return False
-        if ptr in pointers:
+        if key[1] == 0 or seen.get(key) != 1:
             return False
-        pointers.add(ptr)
     return True
 
 

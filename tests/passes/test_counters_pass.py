@@ -133,6 +133,16 @@ def test_counters_sharing_memory_are_left_alone():
     assert base.tolist() == [1, 1]
 
 
+def test_a_counter_another_input_views_is_left_alone():
+    """The first counter is also passed as a view, read after its increment: that increment stays, which leaves
+    one to move, so nothing moves."""
+    x, counters, keys = state()
+    out, before, after = rewritten(lambda x, a, seen, b, keys: cache_layers(x, [a, b], keys) + seen, x,
+                                   counters[0], counters[0].view(1), counters[1], keys[:2])
+    assert before.count(".add_(1)") == 2 and before == after
+    assert [int(c) for c in counters[:2]] == [1, 2] and out[0, 0] == x[0, 0] * 4 + 1
+
+
 def test_float_values_are_left_alone():
     x, counters, keys = state()
 
