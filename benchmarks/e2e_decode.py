@@ -286,6 +286,12 @@ def finish(name: str, held: Held, times: dict, args) -> None:
                 print(f"    {us:8.1f} us/step  x{count:<5g} {kname}", flush=True)
     if held.backend is not None:
         out["kernels"] = kernel_summary(held.backend.rows, held.model)
+        # inductor's config patches each decode graph compiled with (PDL, combo kernels, CUDA graphs)
+        out["inductor_patches"] = [dict(p) for p in held.backend.compiled_with]
+        if out["inductor_patches"]:
+            print(f"  {name} decode graphs compiled with: " + "; ".join(
+                ", ".join(f"{k}={v}" for k, v in sorted(p.items())) or "inductor's defaults"
+                for p in out["inductor_patches"]), flush=True)
         print(held.backend.explain() if args.tiny else "\n".join(held.backend.explain().splitlines()[:4]), flush=True)
     if args.hf_generate:
         out["hf_generate_b1"]["vs_own_loop"] = out["hf_generate_b1"]["tok_s"] / out["decode_b1"]["tok_s"] \

@@ -85,6 +85,7 @@ class QCompileBackend:
         self._rows: dict = {}  # module -> ExplainRow (a recompile of the same graph replaces its rows)
         self._online = None
         self._by_options: dict[str, QCompileBackend] = {}
+        self.compiled_with: list[dict] = []  # inductor's config patches of each graph compiled under inductor
         if self.options.online is not None:
             from .formats import parse_quant_config
             from .formats.online import online_config
@@ -153,14 +154,18 @@ class QCompileBackend:
         decompositions = {**select_decomp_table(), **fp8.DECOMPOSITIONS}
         if patches.get("combo_kernels") and "combo_kernels" not in self.options.inductor_config:
             try:
-                return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+                compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+                self.compiled_with.append(patches)
+                return compiled
             except QCompileError:
                 raise
             except Exception as e:  # combo kernels, which the backend chose, fail on some graphs in some versions
                 log.warning("inductor failed with combo kernels on (%s: %s); compiling this graph without them",
                             type(e).__name__, str(e).splitlines()[0] if str(e) else "")
                 patches = {**patches, "combo_kernels": False}
-        return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+        self.compiled_with.append(patches)
+        return compiled
 
     def explain(self) -> str:
         return format_explain(self.rows)

@@ -217,9 +217,11 @@ def test_combo_kernels_the_backend_chose_give_way_where_inductor_fails(monkeypat
         if len(compiles) == 2:
             assert be._inner(gm, [x]) == "compiled"
             assert "inductor failed with combo kernels on (AttributeError" in caplog.text
+            assert [p["combo_kernels"] for p in be.compiled_with] == [False]  # what the graph compiled with
         else:
             with pytest.raises(type(error)):
                 be._inner(gm, [x])
+            assert be.compiled_with == []
     assert seen == compiles
 
 

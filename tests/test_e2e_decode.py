@@ -100,6 +100,18 @@ def test_one_checkpoint_two_ways(tmp_path):
     assert counts == {"ct-w4a16 qcompile": 4, "ct-w4a16~fuse=0 qcompile": 7}, counts
 
 
+def test_inductor_patches_of_the_decode_graphs(tmp_path, capsys):
+    """Under inductor the results say which config patches each decode graph compiled with (on the GPU: PDL, combo
+    kernels, CUDA graphs; here the format's own entry)."""
+    out = tmp_path / "out.json"
+    args = [a if a != "eager" else "inductor" for a in SMOKE]
+    e2e_decode.main(args + ["--formats", "ct-w4a16~inductor.max_fusion_size=32", "--batch", "1", "--prefill", "0",
+                            "--no-errors", "--json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert results["ct-w4a16~inductor.max_fusion_size=32 qcompile"]["inductor_patches"] == [{"max_fusion_size": 32}]
+    assert "decode graphs compiled with: max_fusion_size=32" in capsys.readouterr().out
+
+
 def test_interleaved_rounds_rotate(tmp_path, capsys, monkeypatch):
     """--interleave: every decode step is built and warmed before the first timed round; then each round runs,
     at each batch size, every model once in the models' order rotated by the round; each model's figure is the
