@@ -30,20 +30,23 @@ _NEW = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mo
 _NEW_METHODS = {"add", "sub", "mul", "eq", "lt", "le", "gt", "ge", "item", "tolist", "clone"}
 
 
-def _reads_end_before(node: fx.Node, stop: int, order: dict) -> bool:
-    """Whether every use of ``node``'s value (through any call that may return a view of it) is placed before
-    graph position ``stop``."""
-    todo, seen = [node], set()
+def _makes_new(node: fx.Node) -> bool:
+    return node.target in _NEW if node.op == "call_function" else \
+        node.op == "call_method" and node.target in _NEW_METHODS
+
+
+def _read_only_before(counter: fx.Node, increment: fx.Node, order: dict) -> bool:
+    """Whether every use of ``counter`` other than ``increment``, and every use of a value that may be a view of
+    it, is placed before ``increment``."""
+    todo, seen = [counter], {increment}
     while todo:
-        n = todo.pop()
-        for user in n.users:
+        for user in todo.pop().users:
             if user in seen:
                 continue
             seen.add(user)
-            if order[user] >= stop:
+            if order[user] >= order[increment]:
                 return False
-            if not (user.target in _NEW if user.op == "call_function" else
-                    user.op == "call_method" and user.target in _NEW_METHODS):
+            if not _makes_new(user):
                 todo.append(user)
     return True
 
@@ -60,16 +63,16 @@ def _increment(node: fx.Node, order: dict) -> tuple[fx.Node, int | float] | None
     if not (isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point
             and not value.is_complex() and value.dtype != torch.bool):
         return None
-    for user in counter.users:
-        if user is node:
-            continue
-        if order[user] > order[node]:
-            return None
-        if not (user.target in _NEW if user.op == "call_function" else
-                user.op == "call_method" and user.target in _NEW_METHODS) and \
-                not _reads_end_before(user, order[node], order):
-            return None
-    return counter, amount
+    return (counter, amount) if _read_only_before(counter, node, order) else None
+
+
+def _storage(t) -> tuple | None:
+    """(device, address) of ``t``'s memory; None where there is none to compare (not a tensor, a fake, a
+    subclass)."""
+    try:
+        return t.device, t.untyped_storage().data_ptr()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
 
 
 def _distinct(counters: list[fx.Node], gm: fx.GraphModule, example_inputs) -> bool:
@@ -78,22 +81,10 @@ def _distinct(counters: list[fx.Node], gm: fx.GraphModule, example_inputs) -> bo
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(example_inputs or ()) != len(placeholders):
         return False
-    real = dict(zip(placeholders, example_inputs))
-    seen: dict = {}
-    for t in example_inputs:
-        if isinstance(t, torch.Tensor):
-            try:
-                key = (t.device, t.untyped_storage().data_ptr())
-            except (RuntimeError, NotImplementedError):  # no storage to compare (a fake or a subclass)
-                continue
-            seen[key] = seen.get(key, 0) + 1
+    storages = [_storage(t) if isinstance(t, torch.Tensor) else None for t in example_inputs]
     for node in counters:
-        t = real[node]
-        try:
-            key = (t.device, t.untyped_storage().data_ptr())
-        except (AttributeError, RuntimeError, NotImplementedError):
-            return False
-        if key[1] == 0 or seen.get(key) != 1:
+        key = storages[placeholders.index(node)]
+        if key is None or key[1] == 0 or storages.count(key) != 1:
             return False
     return True
 
