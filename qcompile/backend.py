@@ -152,18 +152,18 @@ class QCompileBackend:
         patches = inductor_patches(self.options, example_inputs)
         # kernels whose op inductor replaces by graph ops (fp8_inductor), so they fuse with their neighbours
         decompositions = {**select_decomp_table(), **fp8.DECOMPOSITIONS}
+        compiled = None
         if patches.get("combo_kernels") and "combo_kernels" not in self.options.inductor_config:
             try:
                 compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
-                self.compiled_with.append(patches)
-                return compiled
             except QCompileError:
                 raise
             except Exception as e:  # combo kernels, which the backend chose, fail on some graphs in some versions
                 log.warning("inductor failed with combo kernels on (%s: %s); compiling this graph without them",
                             type(e).__name__, str(e).splitlines()[0] if str(e) else "")
                 patches = {**patches, "combo_kernels": False}
-        compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+        if compiled is None:
+            compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
         self.compiled_with.append(patches)
         return compiled
 
