@@ -7,6 +7,8 @@ and every M: µs per call of
 * ``bf16``: ``F.linear`` (cuBLAS), the peer;
 * ``fp8 tensor``, ``fp8 channel``, ``fp8 block``: ``qcompile::fp8_linear`` (static per-tensor x; dynamic
   per-token x; dynamic 1x128-group x on 128x128-block weights), activation quantization included;
+* ``fp8 tensor gemv``, ``fp8 channel gemv``: the same op with backend ``gemv`` (``qcompile::fp8_gemv`` at M <= 4,
+  as ``scaled_mm`` above);
 * ``int4 g128``, ``nvfp4``, ``mxfp8``: ``qcompile::wo_linear`` on tiled weights (what a model loaded onto the GPU
   runs: the tuned table of this GPU, else the launch policy).
 
@@ -40,8 +42,9 @@ from qcompile.scheme import Granularity, fp8_scheme  # noqa: E402
 
 FP8 = {"fp8 tensor": ("tensor", "static_tensor"), "fp8 channel": ("channel", "dynamic_token"),
        "fp8 block": ("block", "dynamic_group")}
+FP8_GEMV = {"fp8 tensor gemv": FP8["fp8 tensor"], "fp8 channel gemv": FP8["fp8 channel"]}  # backend "gemv"
 WO = ("int4 g128", "nvfp4", "mxfp8")
-FORMATS = ("bf16", *FP8, *WO)
+FORMATS = ("bf16", *FP8, *FP8_GEMV, *WO)
 MODELS = {"6144x4096": "Llama-3.1-8B", "1280x8192": "Llama-3.1-70B TP=8", "4608x3584": "Qwen2.5-7B",
           "5120x5120": "Mistral-Nemo-12B"}  # the first shape of each model's group in SHAPES
 BIG = 16 << 20  # weights from this size on are held to the floor target at M <= 16
@@ -64,15 +67,16 @@ def bench_format(fmt: str, n: int, k: int, xs: dict, g: torch.Generator, calls: 
         ws = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(copies_for(2 * n * k))]
         return {m: timed([lambda w=w, x=x: F.linear(x, w) for w in ws], calls, replays, m)
                 for m, x in xs.items()}, 2 * n * k
-    if fmt in FP8:
-        weight, act = FP8[fmt]
+    if fmt in FP8 or fmt in FP8_GEMV:
+        weight, act = FP8[fmt] if fmt in FP8 else FP8_GEMV[fmt]
+        backend = "scaled_mm" if fmt in FP8 else "gemv"
         key = fp8_scheme(weight, act).key
         qs = fp8_weights(Granularity(weight), n, k, g)
         op = torch.ops.qcompile.fp8_linear
         times = {}
         for m, x in xs.items():
             s = (x.abs().amax() / 448.0).float() if act == "static_tensor" else None
-            times[m] = timed([lambda q=q, x=x, s=s: op(x, q[0], q[1], s, None, key, "scaled_mm") for q in qs],
+            times[m] = timed([lambda q=q, x=x, s=s: op(x, q[0], q[1], s, None, key, backend) for q in qs],
                              calls, replays, m)
         return times, sum(t.numel() * t.element_size() for t in qs[0])
     spec = WO_FORMATS[fmt]

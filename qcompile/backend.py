@@ -45,6 +45,7 @@ class Options:
     batch_counters: bool = True  # the cache layers' length-counter increments as one add at the graph's end
     small_topk: bool = True  # inductor on CUDA: a router's top-k as selection steps fused into one kernel
     small_linear: bool = True  # inductor on CUDA: a decode-size linear with few outputs (a router) as a reduction
+    fp8_gemv: bool = True  # inductor: fp8_inductor's matmul at M <= 4 on qcompile::fp8_gemv, not cuBLASLt
     cudagraphs: bool = False  # inductor: capture CUDA graphs (like mode="reduce-overhead")
     inductor_config: dict[str, Any] = field(default_factory=dict)
     on_graph: Callable | None = None  # test hook: called with (gm before the pass as code, gm after)
@@ -151,7 +152,7 @@ class QCompileBackend:
         from .kernels import fp8
         patches = inductor_patches(self.options, example_inputs)
         # kernels whose op inductor replaces by graph ops (fp8_inductor), so they fuse with their neighbours
-        decompositions = {**select_decomp_table(), **fp8.DECOMPOSITIONS}
+        decompositions = {**select_decomp_table(), **fp8.decompositions(self.options.fp8_gemv)}
         compiled = None
         if patches.get("combo_kernels") and "combo_kernels" not in self.options.inductor_config:
             try:

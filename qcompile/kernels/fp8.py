@@ -27,18 +27,21 @@ activations, else None. Output: x.dtype, [..., N]. Measurements: docs/kernels-fp
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedError
 from ..scheme import Granularity, Packing, QDtype, QuantScheme, ScaleDtype, canonical_shape, parse_scheme_key
+from . import fp8_gemv
 from . import fp8_quant_triton as fq
 from . import quant_math
 from .reference import register_straight_through
 from .registry import Kernel, KernelQuery, cuda_reason, register, unknown_backend
 
 OP = "qcompile::fp8_linear"
-BACKENDS = ("emulated", "scaled_mm", "flashinfer")
+BACKENDS = ("emulated", "scaled_mm", "gemv", "flashinfer")
 IN_GRAPH_OP = "qcompile::fp8_linear_in_graph"  # the same math as graph ops for inductor (fp8_inductor)
 
 # Below this many rows, channel / per-token scales go through a TensorWise GEMM + epilogue instead
@@ -156,6 +159,21 @@ def _scaled_mm(x2, weight, weight_scale, input_scale, bias, spec, out_dtype):
     return torch._scaled_mm(xq, wt, sa, sb, bias=bias, out_dtype=out_dtype)
 
 
+def _gemv(x2, weight, weight_scale, input_scale, bias, spec, out_dtype):
+    """At M <= ``fp8_gemv.MAX_M``: the activation quantization launch, then ``qcompile::fp8_gemv`` (tensor /
+    channel weights, tensor / token activations); larger M and the other recipes as ``scaled_mm``."""
+    _require_cuda(x2, "gemv")
+    if (x2.shape[0] > fp8_gemv.MAX_M or spec.weight.scale.granularity is Granularity.BLOCK
+            or spec.act.scale.granularity is Granularity.GROUP):
+        return _scaled_mm(x2, weight, weight_scale, input_scale, bias, spec, out_dtype)
+    xq, xs = fq.quantize(x2, spec.act, input_scale)
+    per_token = spec.act.scale.granularity is Granularity.TOKEN
+    per_channel = spec.weight.scale.granularity is Granularity.CHANNEL
+    return torch.ops.qcompile.fp8_gemv(xq, weight, xs.reshape(-1) if per_token else xs.reshape(()),
+                                       weight_scale.float().reshape(-1) if per_channel else
+                                       weight_scale.float().reshape(()), bias, out_dtype)
+
+
 def _scaled_mm_block(x2, weight, weight_scale, input_scale, bias, spec, out_dtype):
     """1x128-group activations x 128x128-block weights through F.scaled_mm (cuBLASLt, sm_90)."""
     m, k = x2.shape
@@ -176,12 +194,13 @@ def _scaled_mm_block(x2, weight, weight_scale, input_scale, bias, spec, out_dtyp
     return out if bias is None else fq.scale_epilogue(out, None, None, bias, out_dtype)
 
 
-def _in_graph(x2, weight, weight_scale, input_scale, bias, spec, out_dtype):
+def _in_graph(x2, weight, weight_scale, input_scale, bias, spec, out_dtype, gemv: bool = True):
     """Activation quantization and ``torch._scaled_mm`` as plain aten ops (tensor / channel weights x
     static or dynamic tensor / token activations). Under inductor the op is replaced by these ops
-    (:data:`DECOMPOSITIONS`), so the quantization fuses into the kernel that produces x (RMSNorm, SiLU * up)
+    (:func:`decompositions`), so the quantization fuses into the kernel that produces x (RMSNorm, SiLU * up)
     and the small-M scale epilogue into the kernel that consumes the output; run as an op (eager,
-    aot_eager) it computes the same."""
+    aot_eager) it computes the same. ``gemv``: at M <= ``fp8_gemv.MAX_M`` on a device its kernel runs on, the
+    matmul is ``qcompile::fp8_gemv`` (scales and bias inside) in place of cuBLASLt."""
     m, n = x2.shape[0], weight.shape[0]
     act = spec.act
     per_token = act.scale.granularity is Granularity.TOKEN
@@ -193,6 +212,9 @@ def _in_graph(x2, weight, weight_scale, input_scale, bias, spec, out_dtype):
         xs = input_scale.float().reshape(1, 1)
     xq = (x2.float() / xs).clamp(-quant_math.FP8_MAX, quant_math.FP8_MAX).to(quant_math.FP8)
     ws = weight_scale.float()
+    if gemv and m <= fp8_gemv.MAX_M and fp8_gemv.runs(x2):
+        return torch.ops.qcompile.fp8_gemv(xq, weight, xs.reshape(-1) if per_token else xs.reshape(()),
+                                           ws.reshape(-1) if per_channel else ws.reshape(()), bias, out_dtype)
     if not (per_token or per_channel):
         return torch._scaled_mm(xq, weight.t(), xs.reshape(()), ws.reshape(()),
                                 bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)
@@ -234,7 +256,7 @@ def _flashinfer(x2, weight, weight_scale, input_scale, bias, spec, out_dtype):
     return out
 
 
-_IMPLS = {"emulated": _emulated, "scaled_mm": _scaled_mm, "flashinfer": _flashinfer}
+_IMPLS = {"emulated": _emulated, "scaled_mm": _scaled_mm, "gemv": _gemv, "flashinfer": _flashinfer}
 
 
 @torch.library.custom_op(OP, mutates_args=())
@@ -274,14 +296,21 @@ def _(x, weight, weight_scale, input_scale, bias, scheme):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _decompose(x, weight, weight_scale, input_scale, bias, scheme):
+def _decompose(x, weight, weight_scale, input_scale, bias, scheme, gemv: bool = True):
     lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
-    out = _in_graph(x.reshape(-1, k), weight, weight_scale, input_scale, bias, parse_scheme_key(scheme), x.dtype)
+    out = _in_graph(x.reshape(-1, k), weight, weight_scale, input_scale, bias, parse_scheme_key(scheme), x.dtype,
+                    gemv)
     return out.reshape(*lead, n)
 
 
 register_straight_through(IN_GRAPH_OP)
-DECOMPOSITIONS = {torch.ops.qcompile.fp8_linear_in_graph.default: _decompose}  # for inductor (qcompile.backend)
+
+
+def decompositions(gemv: bool = True) -> dict:
+    """Inductor's decomposition of the in-graph op (``qcompile.backend``); ``gemv=False`` keeps cuBLASLt at every
+    M (the backend option ``fp8_gemv``)."""
+    return {torch.ops.qcompile.fp8_linear_in_graph.default: _decompose if gemv else functools.partial(_decompose,
+                                                                                                     gemv=False)}
 
 
 # -- registry ------------------------------------------------------------------------------------

@@ -1,0 +1,144 @@
+"""``qcompile::fp8_gemv``: an FP8 W8A8 matmul of a few rows, on the weight as cuBLAS reads it.
+
+    out[m, n] = (sum_k xq[m, k] * w[n, k]) * x_scale[m] * w_scale[n] (+ bias[n]) -> out_dtype
+
+``xq`` float8_e4m3fn ``[M, K]`` (the activations, already quantized), ``w`` float8_e4m3fn ``[N, K]`` (the
+``nn.Linear`` layout: the same tensor ``torch._scaled_mm`` takes as ``w.t()``, so no second layout), ``x_scale``
+fp32 ``[]`` or ``[M]``, ``w_scale`` fp32 ``[]`` or ``[N]``, ``bias`` ``[N]`` or None. The products of two e4m3
+values are exact in fp32 and are summed in fp32; the scales and bias apply once to the sum, then one rounding.
+
+On CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``) one Triton kernel: each program takes ``BLOCK_N``
+weight rows over all of K, so each row streams once, contiguous along K, and each step's x slice is decoded
+once for all of the program's rows; the multiply-adds run on the CUDA cores (at M <= :data:`MAX_M` a tensor-core
+tile would be mostly padding). No split over K: the grid is N / BLOCK_N programs. It launches with programmatic
+dependent launch on sm_90+ (``QCOMPILE_PDL=0`` turns it off). Elsewhere the op is :func:`reference`.
+
+``fp8_inductor`` (``qcompile/kernels/fp8.py``) calls it in place of ``torch._scaled_mm`` for M <= :data:`MAX_M`
+(the backend option ``fp8_gemv=False`` keeps cuBLASLt); the activation quantization stays in the graph, fused
+into the kernel that produces x. No gradient: the op takes fp8 codes (``fp8_linear``'s own gradient is the
+straight-through one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedError
+from .fp8_quant_triton import HAS_TRITON, interpreting, pdl, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .fp8_quant_triton import _pdl_start
+    from .wo_gemm_triton import _FMT_FP8, _decode
+
+OP = "qcompile::fp8_gemv"
+FP8 = torch.float8_e4m3fn
+MAX_M = 4  # rows the in-graph FP8 linear sends here
+LAUNCH = dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _e4m3(t, NATIVE: tl.constexpr):
+        """e4m3 bytes -> fp32: the GPU's conversion, or integer decoding (the interpreter)."""
+        if NATIVE:
+            return t.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return _decode(t.to(tl.int32), _FMT_FP8)
+
+    @triton.jit
+    def _gemv_kernel(X, W, XS, WS, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
+                     X_VEC: tl.constexpr, W_VEC: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+        _pdl_start(PDL)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rows < N
+        ms = tl.arange(0, M_PAD)
+        m_ok = ms < M
+        acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            w = tl.load(W + rows[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            x = tl.load(X + ms[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
+            acc += tl.sum(_e4m3(w, NATIVE)[:, None, :] * _e4m3(x, NATIVE)[None, :, :], axis=2)
+        if X_VEC:
+            acc = acc * tl.load(XS + ms, mask=m_ok, other=0.0)[None, :]
+        else:
+            acc = acc * tl.load(XS)
+        if W_VEC:
+            acc = acc * tl.load(WS + rows, mask=n_ok, other=0.0)[:, None]
+        else:
+            acc = acc * tl.load(WS)
+        if HAS_BIAS:
+            acc += tl.load(B + rows, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(OUT + ms[None, :] * stride_om + rows[:, None], acc.to(OUT.dtype.element_ty),
+                 mask=n_ok[:, None] & m_ok[None, :])
+
+
+def _check(xq, weight, x_scale, weight_scale, bias):
+    m, k = xq.shape if xq.dim() == 2 else (None, None)
+    n = weight.shape[0] if weight.dim() == 2 else None
+    problems = []
+    if xq.dim() != 2 or xq.dtype != FP8:
+        problems.append(f"xq must be float8_e4m3fn [M, K], got {xq.dtype} {list(xq.shape)}")
+    if weight.dim() != 2 or weight.dtype != FP8 or (k is not None and weight.shape[1] != k):
+        problems.append(f"weight must be float8_e4m3fn [N, K={k}], got {weight.dtype} {list(weight.shape)}")
+    if x_scale.dtype != torch.float32 or x_scale.shape not in ((), (m,)):
+        problems.append(f"x_scale must be fp32 [] or [M={m}], got {x_scale.dtype} {list(x_scale.shape)}")
+    if weight_scale.dtype != torch.float32 or weight_scale.shape not in ((), (n,)):
+        problems.append(f"weight_scale must be fp32 [] or [N={n}], got {weight_scale.dtype} "
+                        f"{list(weight_scale.shape)}")
+    if bias is not None and bias.shape != (n,):
+        problems.append(f"bias must be [N={n}], got {list(bias.shape)}")
+    if problems:
+        raise UnsupportedError("; ".join(problems), where=OP)
+
+
+def reference(xq, weight, x_scale, weight_scale, bias, out_dtype):
+    """The op's math in fp32 on any device."""
+    acc = xq.float() @ weight.float().t()
+    acc = acc * (x_scale.reshape(-1, 1) if x_scale.dim() else x_scale) * weight_scale
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype)
+
+
+def _triton(xq, weight, x_scale, weight_scale, bias, out_dtype, launch=None):
+    (m, k), n = xq.shape, weight.shape[0]
+    cfg = {**LAUNCH, **(launch or {})}
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    xq = xq if xq.stride(1) == 1 else xq.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    native = xq.is_cuda and not interpreting()
+    _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
+        xq.view(torch.uint8), weight.view(torch.uint8), x_scale, weight_scale, weight_scale if bias is None else bias,
+        out, m, n, k, xq.stride(0), weight.stride(0), out.stride(0), X_VEC=x_scale.dim() == 1,
+        W_VEC=weight_scale.dim() == 1, HAS_BIAS=bias is not None, M_PAD=max(2, triton.next_power_of_2(m)),
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], NATIVE=native, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl(xq))
+    return out
+
+
+@torch.library.custom_op(OP, mutates_args=())
+def fp8_gemv(xq: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """(xq @ weight.T) * x_scale * weight_scale (+ bias) in ``out_dtype`` (module doc)."""
+    _check(xq, weight, x_scale, weight_scale, bias)
+    if use_triton(xq):
+        return _triton(xq, weight, x_scale, weight_scale, bias, out_dtype)
+    return reference(xq, weight, x_scale, weight_scale, bias, out_dtype)
+
+
+@fp8_gemv.register_fake
+def _(xq, weight, x_scale, weight_scale, bias, out_dtype):
+    _check(xq, weight, x_scale, weight_scale, bias)
+    return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+def runs(x: torch.Tensor) -> bool:
+    """Whether the kernel (not the reference) runs for tensors like ``x``."""
+    return use_triton(x)
