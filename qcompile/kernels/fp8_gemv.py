@@ -60,9 +60,15 @@ if HAS_TRITON:
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
-            w = tl.load(W + rows[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            x = tl.load(X + ms[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
-            acc += tl.sum(_e4m3(w, NATIVE)[:, None, :] * _e4m3(x, NATIVE)[None, :, :], axis=2)
+            w = _e4m3(tl.load(W + rows[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                              other=0), NATIVE)
+            if M_PAD == 1:  # one row: a [BLOCK_N, BLOCK_K] product, no padded second row
+                x = _e4m3(tl.load(X + kk, mask=k_ok, other=0), NATIVE)
+                acc += tl.sum(w * x[None, :], axis=1)[:, None]
+            else:
+                x = _e4m3(tl.load(X + ms[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                                  other=0), NATIVE)
+                acc += tl.sum(w[:, None, :] * x[None, :, :], axis=2)
         if X_VEC:
             acc = acc * tl.load(XS + ms, mask=m_ok, other=0.0)[None, :]
         else:
@@ -117,7 +123,7 @@ def _triton(xq, weight, x_scale, weight_scale, bias, out_dtype, launch=None):
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
         xq.view(torch.uint8), weight.view(torch.uint8), x_scale, weight_scale, weight_scale if bias is None else bias,
         out, m, n, k, xq.stride(0), weight.stride(0), out.stride(0), X_VEC=x_scale.dim() == 1,
-        W_VEC=weight_scale.dim() == 1, HAS_BIAS=bias is not None, M_PAD=max(2, triton.next_power_of_2(m)),
+        W_VEC=weight_scale.dim() == 1, HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m),
         BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], NATIVE=native, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl(xq))
     return out

@@ -207,3 +207,23 @@ def test_gpu_op_backend_matches_emulated(weight, act):
         got = torch.ops.qcompile.fp8_linear(x, q, s, xs, b, sch.key, "gemv").float()
         want = torch.ops.qcompile.fp8_linear(x, q, s, xs, b, sch.key, "emulated").float()
         assert ((got - want).norm() / want.norm()).item() < 1e-2, m
+
+
+@pytest.mark.skipif(not fp8_gemv.HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("m_pad", [1, 2, 4])
+def test_kernel_compiles_for_sm90(m_pad):
+    """The GPU paths the interpreter cannot take (the native e4m3 conversion, PDL) compile for sm_90 with the
+    op's launch, and with the pointers, K and the row strides multiples of 16 (as the launcher specializes them
+    for K % 16 == 0) each lane reads the weight 16 bytes at a time."""
+    from tests.kernels.test_wo_gemm import _compile_sm90, _ptxas_available
+
+    if not _ptxas_available():
+        pytest.skip("triton's NVIDIA backend / ptxas missing")
+    cfg = fp8_gemv.LAUNCH
+    ptrs = dict(X="*u8", W="*u8", XS="*fp32", WS="*fp32", B="*bf16", OUT="*bf16")
+    kernel = _compile_sm90(fp8_gemv._gemv_kernel, ptrs, ("M", "N", "K", "stride_xm", "stride_wn", "stride_om"),
+                           dict(X_VEC=m_pad > 1, W_VEC=True, HAS_BIAS=True, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
+                                BLOCK_K=cfg["block_k"], NATIVE=True, PDL=True),
+                           divisible=(*ptrs, "K", "stride_xm", "stride_wn"), num_warps=cfg["num_warps"],
+                           num_stages=cfg["num_stages"])
+    assert "ld.global.v4.b32" in kernel.asm["ptx"] and "ld.global.b8" not in kernel.asm["ptx"]

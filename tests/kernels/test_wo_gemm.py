@@ -413,9 +413,10 @@ INTERPRETER_SCRIPT = textwrap.dedent(r"""
 
 
 
-def _compile_sm90(fn, ptrs: dict, ints: tuple, constexprs: dict, **options):
+def _compile_sm90(fn, ptrs: dict, ints: tuple, constexprs: dict, divisible: tuple = (), **options):
     """Compile a Triton kernel for sm_90 without a GPU (ptxas included): the paths the interpreter
-    cannot take (inline PTX decode, tuple indexing by constexpr, Hopper lowering) are checked in CI."""
+    cannot take (inline PTX decode, tuple indexing by constexpr, Hopper lowering) are checked in CI.
+    ``divisible``: the arguments to compile as multiples of 16, as Triton's launcher specializes them."""
     import inspect
 
     import triton
@@ -424,7 +425,8 @@ def _compile_sm90(fn, ptrs: dict, ints: tuple, constexprs: dict, **options):
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: ptrs[n] if ptrs.get(n) else ("i32" if n in ints else "constexpr") for n in names}
     cx = dict(constexprs, **{n: None for n, t in ptrs.items() if t is None})
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in cx.items()})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in cx.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
