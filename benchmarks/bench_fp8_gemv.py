@@ -1,0 +1,101 @@
+"""``qcompile::fp8_gemv``'s launch candidates on the linear shapes of real models, against ``torch._scaled_mm``
+(TensorWise, what ``fp8_inductor`` calls), bf16 ``F.linear`` and the weight-read floor (CUDA).
+
+Per (N, K) of ``--shapes`` and M of ``--m``: µs per call of each launch (BLOCK_N x BLOCK_K x warps x stages) on
+the same fp8 codes as x (quantized already: the in-graph path quantizes x in the kernel that produces it), each
+call reading another copy of the weight (past L2), medians of CUDA-graph replays; the best launch, its % of the
+floor, and its error against float64 math. Keep some shapes out of the sweep that picks ``fp8_gemv.LAUNCH`` and
+check the pick on them.
+
+    python benchmarks/bench_fp8_gemv.py --json gemv.json
+    python benchmarks/bench_fp8_gemv.py --shapes 1280x8192 5120x5120 --block-n 16 --block-k 512 --warps 4   # one launch
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_wo_linear import copies_for, timed  # noqa: E402
+from tune_wo import copy_bandwidth  # noqa: E402
+
+from qcompile.kernels import fp8_gemv  # noqa: E402
+
+TUNE_SHAPES = ("6144x4096", "4096x4096", "28672x4096", "4096x14336", "4608x3584", "3584x3584", "37888x3584",
+               "3584x18944")  # Llama-3.1-8B and Qwen2.5-7B; Llama-3.1-70B TP=8 and Mistral-Nemo-12B stay out
+
+
+def exact(xq, w, xs, ws):
+    return (xq.double() @ w.double().t()) * xs.double() * ws.double()
+
+
+def bench_shape(n: int, k: int, ms, launches, bw: float, calls: int, replays: int, g: torch.Generator) -> list[dict]:
+    fp8 = torch.float8_e4m3fn
+    ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.05).to(fp8) for _ in range(copies_for(n * k))]
+    wb = [torch.randn(n, k, device="cuda", generator=g).bfloat16() for _ in range(copies_for(2 * n * k))]
+    xs, w_scale = torch.tensor(0.02, device="cuda"), torch.tensor(0.01, device="cuda")
+    rows = []
+    for m in ms:
+        xq = (torch.randn(m, k, device="cuda", generator=g) * 4).to(fp8)
+        xb = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        want = exact(xq, ws[0], xs, w_scale)
+        row = {"n": n, "k": k, "m": m, "floor_us": n * k / bw * 1e6,
+               "scaled_mm_us": timed([lambda w=w: torch._scaled_mm(xq, w.t(), xs, w_scale, out_dtype=torch.bfloat16)
+                                      for w in ws], calls, replays, m),
+               "bf16_us": timed([lambda w=w: F.linear(xb, w) for w in wb], calls, replays, m), "launches": {}}
+        for bn, bk, warps, stages in launches:
+            launch = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+            got = fp8_gemv._triton(xq, ws[0], xs, w_scale, None, torch.bfloat16, launch).double()
+            err = ((got - want).norm() / want.norm()).item()
+            us = timed([lambda w=w: fp8_gemv._triton(xq, w, xs, w_scale, None, torch.bfloat16, launch) for w in ws],
+                       calls, replays, m)
+            row["launches"][f"{bn}x{bk} w{warps} s{stages}"] = {"us": us, "err": err}
+        ok = {name: r["us"] for name, r in row["launches"].items() if isinstance(r["us"], float)}
+        best = min(ok, key=ok.get) if ok else None
+        row["best"] = best
+        sm = row["scaled_mm_us"]
+        print(f"{n}x{k} M={m}: floor {row['floor_us']:.1f} µs; scaled_mm {sm} ; bf16 {row['bf16_us']}; "
+              + (f"gemv best {ok[best]:.1f} ({100 * row['floor_us'] / ok[best]:.0f} % of floor) {best}, "
+                 f"error {row['launches'][best]['err']:.1e}" if best else "no gemv launch ran"), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=list(TUNE_SHAPES), help="N x K (default: %(default)s)")
+    p.add_argument("--m", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--block-n", nargs="+", type=int, default=[8, 16, 32])
+    p.add_argument("--block-k", nargs="+", type=int, default=[256, 512, 1024])
+    p.add_argument("--warps", nargs="+", type=int, default=[4, 8])
+    p.add_argument("--stages", nargs="+", type=int, default=[3])
+    p.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
+    p.add_argument("--replays", type=int, default=10, help="graph replays (median)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    bw = copy_bandwidth()
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth": bw,
+           "command": " ".join(sys.argv), "results": []}
+    print(f"{out['gpu']}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    launches = list(itertools.product(args.block_n, args.block_k, args.warps, args.stages))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in args.shapes:
+        n, k = map(int, shape.lower().split("x"))
+        out["results"] += bench_shape(n, k, args.m, launches, bw, args.calls, args.replays, g)
+        torch.cuda.empty_cache()
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
