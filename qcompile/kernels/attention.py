@@ -44,7 +44,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .fp8_quant_triton import _pdl_start
-    from .wo_gemm_triton import _FMT_FP8, _decode
+    from .wo_gemm_triton import _fp8_value
 
 OP = "qcompile::decode_attention"
 BLOCK_N = 64  # keys per step of a program
@@ -72,13 +72,6 @@ if HAS_TRITON:
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
             x = bits.to(tl.float32, bitcast=True)
         return x.to(DTYPE)
-
-    @triton.jit
-    def _fp8_value(t, NATIVE: tl.constexpr):
-        """e4m3 bytes -> fp32 values: the hardware conversion, or integer decoding (the interpreter)."""
-        if NATIVE:
-            return t.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        return _decode(t.to(tl.int32), _FMT_FP8)
 
     @triton.jit
     def _split_kernel(Q, K, V, MASK, OUT, ACC, ML, KS, VS, SINKS, scale, S, REP, D, KVH, chunk,

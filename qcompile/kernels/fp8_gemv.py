@@ -31,7 +31,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .fp8_quant_triton import _pdl_start
-    from .wo_gemm_triton import _FMT_FP8, _decode
+    from .wo_gemm_triton import _fp8_value
 
 OP = "qcompile::fp8_gemv"
 FP8 = torch.float8_e4m3fn
@@ -40,13 +40,6 @@ LAUNCH = dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
 
 
 if HAS_TRITON:
-    @triton.jit
-    def _e4m3(t, NATIVE: tl.constexpr):
-        """e4m3 bytes -> fp32: the GPU's conversion, or integer decoding (the interpreter)."""
-        if NATIVE:
-            return t.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        return _decode(t.to(tl.int32), _FMT_FP8)
-
     @triton.jit
     def _gemv_kernel(X, W, XS, WS, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
                      X_VEC: tl.constexpr, W_VEC: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
@@ -60,13 +53,13 @@ if HAS_TRITON:
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
-            w = _e4m3(tl.load(W + rows[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+            w = _fp8_value(tl.load(W + rows[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                               other=0), NATIVE)
             if M_PAD == 1:  # one row: a [BLOCK_N, BLOCK_K] product, no padded second row
-                x = _e4m3(tl.load(X + kk, mask=k_ok, other=0), NATIVE)
+                x = _fp8_value(tl.load(X + kk, mask=k_ok, other=0), NATIVE)
                 acc += tl.sum(w * x[None, :], axis=1)[:, None]
             else:
-                x = _e4m3(tl.load(X + ms[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                x = _fp8_value(tl.load(X + ms[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                                   other=0), NATIVE)
                 acc += tl.sum(w[:, None, :] * x[None, :, :], axis=2)
         if X_VEC:

@@ -89,6 +89,13 @@ if HAS_TRITON:
         return v
 
     @triton.jit
+    def _fp8_value(t, NATIVE: tl.constexpr):
+        """e4m3 bytes -> fp32 values: the hardware conversion, or :func:`_decode` (the interpreter)."""
+        if NATIVE:
+            return t.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return _decode(t.to(tl.int32), _FMT_FP8)
+
+    @triton.jit
     def _scale_value(s, SCALE_KIND: tl.constexpr):
         if SCALE_KIND == _SK_FP32:
             r = s.to(tl.float32)
