@@ -1,7 +1,8 @@
 """``qcompile::fp8_gemv``'s launch candidates on the linear shapes of real models, against ``torch._scaled_mm``
 (TensorWise, what ``fp8_inductor`` calls), bf16 ``F.linear`` and the weight-read floor (CUDA).
 
-Per (N, K) of ``--shapes`` and M of ``--m``: µs per call of each launch (BLOCK_N x BLOCK_K x warps x stages) on
+Per (N, K) of ``--shapes`` and M of ``--m``: µs per call of each launch (BLOCK_N x BLOCK_K x warps x stages whose
+partial sums fit ``fp8_gemv.ACC_REGISTERS``) on
 the same fp8 codes as x (quantized already: the in-graph path quantizes x in the kernel that produces it), each
 call reading another copy of the weight (past L2), medians of CUDA-graph replays; the best launch, its % of the
 floor, and its error against float64 math. Keep some shapes out of the sweep that picks ``fp8_gemv.LAUNCH`` and
@@ -50,7 +51,10 @@ def bench_shape(n: int, k: int, ms, launches, bw: float, calls: int, replays: in
                "scaled_mm_us": timed([lambda w=w: torch._scaled_mm(xq, w.t(), xs, w_scale, out_dtype=torch.bfloat16)
                                       for w in ws], calls, replays, m),
                "bf16_us": timed([lambda w=w: F.linear(xb, w) for w in wb], calls, replays, m), "launches": {}}
+        m_pad = 1 << (m - 1).bit_length()
         for bn, bk, warps, stages in launches:
+            if fp8_gemv.acc_registers(bn, m_pad, bk, warps) > fp8_gemv.ACC_REGISTERS:
+                continue  # its partial sums spill
             launch = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
             got = fp8_gemv._triton(xq, ws[0], xs, w_scale, None, torch.bfloat16, launch).double()
             err = ((got - want).norm() / want.norm()).item()

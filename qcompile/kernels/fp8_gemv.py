@@ -36,7 +36,18 @@ if HAS_TRITON:
 OP = "qcompile::fp8_gemv"
 FP8 = torch.float8_e4m3fn
 MAX_M = 4  # rows the in-graph FP8 linear sends here
-LAUNCH = dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
+LAUNCH = dict(block_n=16, block_k=512, num_warps=4, num_stages=3)  # at M = 1; K steps shrink with M (launch_for)
+ACC_REGISTERS = 64  # fp32 partial sums a thread may hold: BLOCK_N * M_PAD * BLOCK_K / threads (more spill)
+
+
+def acc_registers(block_n: int, m_pad: int, block_k: int, num_warps: int) -> int:
+    return block_n * m_pad * block_k // (32 * num_warps)
+
+
+def launch_for(m: int) -> dict:
+    """The op's launch at M rows: :data:`LAUNCH` with its K step divided by the padded rows."""
+    m_pad = triton.next_power_of_2(m) if HAS_TRITON else m
+    return dict(LAUNCH, block_k=max(16, LAUNCH["block_k"] // m_pad))
 
 
 if HAS_TRITON:
@@ -49,19 +60,32 @@ if HAS_TRITON:
         n_ok = rows < N
         ms = tl.arange(0, M_PAD)
         m_ok = ms < M
-        acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+        # products summed elementwise over the K steps, reduced across K once after the loop: no shuffles or
+        # barriers inside it (BLOCK_N * M_PAD * BLOCK_K / threads fp32 registers per thread: ACC_REGISTERS)
+        if M_PAD == 1:
+            part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            part3 = tl.zeros([BLOCK_N, M_PAD, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
-            w = _fp8_value(tl.load(W + rows[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                              other=0), NATIVE)
+            # w and x through pointer tensors of the product's shape (stride 0 along the dimension each lacks;
+            # the repeated reads hit L1), so that both arrive in one register layout: no exchange through shared
+            # memory inside the loop
             if M_PAD == 1:  # one row: a [BLOCK_N, BLOCK_K] product, no padded second row
-                x = _fp8_value(tl.load(X + kk, mask=k_ok, other=0), NATIVE)
-                acc += tl.sum(w * x[None, :], axis=1)[:, None]
+                w = tl.load(W + rows[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+                x = tl.load(X + rows[:, None] * 0 + kk[None, :], mask=k_ok[None, :], other=0)
+                part += _fp8_value(w, NATIVE) * _fp8_value(x, NATIVE)
             else:
-                x = _fp8_value(tl.load(X + ms[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                                  other=0), NATIVE)
-                acc += tl.sum(w[:, None, :] * x[None, :, :], axis=2)
+                w = tl.load(W + rows[:, None, None] * stride_wn + ms[None, :, None] * 0 + kk[None, None, :],
+                            mask=n_ok[:, None, None] & k_ok[None, None, :], other=0)
+                x = tl.load(X + rows[:, None, None] * 0 + ms[None, :, None] * stride_xm + kk[None, None, :],
+                            mask=m_ok[None, :, None] & k_ok[None, None, :], other=0)
+                part3 += _fp8_value(w, NATIVE) * _fp8_value(x, NATIVE)
+        if M_PAD == 1:
+            acc = tl.sum(part, axis=1)[:, None]
+        else:
+            acc = tl.sum(part3, axis=2)
         if X_VEC:
             acc = acc * tl.load(XS + ms, mask=m_ok, other=0.0)[None, :]
         else:
@@ -106,7 +130,7 @@ def reference(xq, weight, x_scale, weight_scale, bias, out_dtype):
 
 def _triton(xq, weight, x_scale, weight_scale, bias, out_dtype, launch=None):
     (m, k), n = xq.shape, weight.shape[0]
-    cfg = {**LAUNCH, **(launch or {})}
+    cfg = {**launch_for(m), **(launch or {})}
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out

@@ -3,6 +3,7 @@ it at M <= MAX_M."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 from unittest import mock
 
@@ -210,20 +211,41 @@ def test_gpu_op_backend_matches_emulated(weight, act):
 
 
 @pytest.mark.skipif(not fp8_gemv.HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("m_pad", [1, 2, 4])
-def test_kernel_compiles_for_sm90(m_pad):
-    """The GPU paths the interpreter cannot take (the native e4m3 conversion, PDL) compile for sm_90 with the
-    op's launch, and with the pointers, K and the row strides multiples of 16 (as the launcher specializes them
-    for K % 16 == 0) each lane reads the weight 16 bytes at a time."""
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_kernel_compiles_for_sm90(m):
+    """The GPU paths the interpreter cannot take (the native e4m3 conversion, PDL) compile for sm_90 with the op's
+    launch at M rows, and with the pointers, K and the row strides multiples of 16 (as the launcher specializes
+    them for K % 16 == 0): each lane reads the weight 16 bytes at a time, the K loop has no barrier, shuffle or
+    shared-memory store (the partial sums stay in registers until after it), and ptxas spills nothing."""
+    import re
+    import subprocess
+    import tempfile
+
     from tests.kernels.test_wo_gemm import _compile_sm90, _ptxas_available
 
     if not _ptxas_available():
         pytest.skip("triton's NVIDIA backend / ptxas missing")
-    cfg = fp8_gemv.LAUNCH
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    cfg = fp8_gemv.launch_for(m)
+    m_pad = 1 << (m - 1).bit_length()
+    assert fp8_gemv.acc_registers(cfg["block_n"], m_pad, cfg["block_k"], cfg["num_warps"]) <= fp8_gemv.ACC_REGISTERS
     ptrs = dict(X="*u8", W="*u8", XS="*fp32", WS="*fp32", B="*bf16", OUT="*bf16")
     kernel = _compile_sm90(fp8_gemv._gemv_kernel, ptrs, ("M", "N", "K", "stride_xm", "stride_wn", "stride_om"),
-                           dict(X_VEC=m_pad > 1, W_VEC=True, HAS_BIAS=True, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
+                           dict(X_VEC=m > 1, W_VEC=True, HAS_BIAS=True, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
                                 BLOCK_K=cfg["block_k"], NATIVE=True, PDL=True),
                            divisible=(*ptrs, "K", "stride_xm", "stride_wn"), num_warps=cfg["num_warps"],
                            num_stages=cfg["num_stages"])
-    assert "ld.global.v4.b32" in kernel.asm["ptx"] and "ld.global.b8" not in kernel.asm["ptx"]
+    ptx = kernel.asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and "ld.global.b8" not in ptx
+    lines = ptx.splitlines()
+    head = next(i for i, line in enumerate(lines) if "Inner Loop Header" in line)
+    back = max(i for i, line in enumerate(lines) if re.search(r"bra\s+\$L__BB0_\d+;", line))
+    loop = "\n".join(lines[head:back + 1])
+    assert not re.search(r"bar\.sync|shfl|st\.shared", loop)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        info = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores" in info, info
