@@ -8,9 +8,11 @@ fp32 ``[]`` or ``[M]``, ``w_scale`` fp32 ``[]`` or ``[N]``, ``bias`` ``[N]`` or 
 values are exact in fp32 and are summed in fp32; the scales and bias apply once to the sum, then one rounding.
 
 On CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``) one Triton kernel: each program takes ``BLOCK_N``
-weight rows over all of K, so each row streams once, contiguous along K, and each step's x slice is decoded
-once for all of the program's rows; the multiply-adds run on the CUDA cores (at M <= :data:`MAX_M` a tensor-core
-tile would be mostly padding). No split over K: the grid is N / BLOCK_N programs. It launches with programmatic
+weight rows over all of K, so each row streams once, contiguous along K; x is read alongside through a pointer
+tensor of the weight tile's shape (the repeats hit L1) so that both land in one register layout; the
+multiply-adds run on the CUDA cores (at M <= :data:`MAX_M` a tensor-core tile would be mostly padding) into
+per-thread partial sums that are reduced across K once, after the loop. No split over K: the grid is
+N / BLOCK_N programs. It launches with programmatic
 dependent launch on sm_90+ (``QCOMPILE_PDL=0`` turns it off). Elsewhere the op is :func:`reference`.
 
 ``fp8_inductor`` (``qcompile/kernels/fp8.py``) calls it in place of ``torch._scaled_mm`` for M <= :data:`MAX_M`
