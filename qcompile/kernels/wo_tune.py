@@ -5,7 +5,8 @@ order: the on-disk cache (``$XDG_CACHE_HOME/qcompile/tuned/<GPU name>.json``; ``
 another folder, or ``0`` for none), then the table shipped with the package (``qcompile/kernels/tuned/<GPU
 name>.json``), then the hand-written policy (:mod:`wo_policy`). A choice is a route: the policy itself, the
 kernel with some of its launch fixed (the keywords of :func:`wo_mma.wo_mma`), the Triton kernel, or
-dequantize + F.linear (cuBLAS) where that is faster.
+dequantize + F.linear (cuBLAS) where that is faster. The same tables hold ``qcompile::fp8_gemv``'s choices (keys
+``fp8_gemv|<N>x<K>|m<M>``, routes ``gemv`` with its launch or ``scaled_mm``: :mod:`fp8_gemv`).
 
 Measuring at first use is off by default: ``QCOMPILE_TUNE=1`` or :func:`tune` turns it on. It never runs while
 a CUDA graph is captured, under torch.compile's tracing or on fake tensors (the lookup still does).
@@ -33,7 +34,7 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 # T buckets of qcompile::wo_moe's keys: M's, then prefill chunks up to 16384 tokens, where the faster of the grouped
 # Triton kernel and dequantize + _grouped_mm depends on the experts' shape
 MOE_T_BUCKETS = M_BUCKETS + (2048, 4096, 8192, 16384)
-ROUTES = ("policy", "mma", "triton", "dequant")
+ROUTES = ("policy", "mma", "triton", "dequant", "gemv", "scaled_mm")
 # wo_mma keywords tried beside the policy's own launch (those the kernel has no build for, or that come to
 # the policy's launch, are dropped per shape)
 MMA_VARIANTS = ({"wgmma": True}, {"wgmma": False}, {"ws": True}, {"ws": False}, {"xs": True}, {"xs": False},
@@ -43,7 +44,7 @@ MMA_VARIANTS = ({"wgmma": True}, {"wgmma": False}, {"ws": True}, {"ws": False}, 
 @dataclass(frozen=True)
 class Choice:
     """How the op runs one (format, shape, M bucket): ``route`` one of :data:`ROUTES`; ``launch`` the wo_mma
-    keywords of route ``mma``."""
+    keywords of route ``mma`` (of ``gemv``: the Triton launch)."""
 
     route: str
     launch: dict = field(default_factory=dict)  # JSON values (wo_moe: a Triton configuration per GEMM)
@@ -136,7 +137,8 @@ def write_table(path: Path, gpu_name: str, entries: dict[str, dict]) -> None:
 _TABLES: dict[tuple[str, str], dict[str, Choice]] = {}  # (where, GPU name) -> table
 
 
-def _table(where: str, gpu_name: str) -> dict[str, Choice]:
+def table(where: str, gpu_name: str) -> dict[str, Choice]:
+    """The table ``where`` ("shipped" or "cache") holds for ``gpu_name``, read once (:func:`clear`)."""
     folder = SHIPPED if where == "shipped" else cache_dir()
     if folder is None:
         return {}
@@ -150,7 +152,7 @@ def lookup(gpu_name: str, key: str | None) -> Choice | None:
     """The choice for ``key``: the on-disk cache's, else the shipped table's, else None (the policy's)."""
     if key is None:
         return None
-    return _table("cache", gpu_name).get(key) or _table("shipped", gpu_name).get(key)
+    return table("cache", gpu_name).get(key) or table("shipped", gpu_name).get(key)
 
 
 def store(gpu_name: str, key: str, choice: Choice, figures: dict | None = None) -> None:

@@ -947,7 +947,7 @@ def test_gpu_shipped_entries_match_reference(fmt):
     from qcompile.kernels import wo_tune
 
     tiled = QuantScheme(dataclasses.replace(FORMATS[fmt], tiled=True))
-    table = wo_tune._table("shipped", torch.cuda.get_device_name())
+    table = wo_tune.table("shipped", torch.cuda.get_device_name())
     entries = [(m, c) for key, c in table.items() if (m := MOE_ENTRY.match(key)) and m["scheme"] == tiled.key]
     if not entries:
         pytest.skip(f"no shipped {fmt} MoE entries for {torch.cuda.get_device_name()}")
