@@ -5,10 +5,14 @@ Per (N, K) of ``--shapes`` and M of ``--m``: µs per call of each launch (BLOCK_
 partial sums fit ``fp8_gemv.ACC_REGISTERS``) on
 the same fp8 codes as x (quantized already: the in-graph path quantizes x in the kernel that produces it), each
 call reading another copy of the weight (past L2), medians of CUDA-graph replays; the best launch, its % of the
-floor, and its error against float64 math. Keep some shapes out of the sweep that picks ``fp8_gemv.LAUNCH`` and
-check the pick on them.
+floor, and its error against float64 math.
 
-    python benchmarks/bench_fp8_gemv.py --json gemv.json
+``--table FILE`` adds each (N, K, M)'s winner to a tuning table (``qcompile/kernels/tuned/<GPU>.json`` is the one
+shipped; ``$XDG_CACHE_HOME/qcompile/tuned/<GPU>.json`` the user's cache): route ``gemv`` with the fastest launch
+where it beat ``torch._scaled_mm`` by more than :data:`MARGIN`, else ``scaled_mm``. ``fp8_inductor`` calls the GEMV only on shapes with a
+``gemv`` entry. ``--from-json`` writes the table from an earlier run's results instead of measuring.
+
+    python benchmarks/bench_fp8_gemv.py --m 1 --json gemv.json --table qcompile/kernels/tuned/NVIDIA_H200.json
     python benchmarks/bench_fp8_gemv.py --shapes 1280x8192 5120x5120 --block-n 16 --block-k 512 --warps 4   # one launch
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -25,12 +30,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_wo_linear import copies_for, timed  # noqa: E402
-from tune_wo import copy_bandwidth  # noqa: E402
+from tune_wo import SHAPES, copy_bandwidth  # noqa: E402
 
-from qcompile.kernels import fp8_gemv  # noqa: E402
-
-TUNE_SHAPES = ("6144x4096", "4096x4096", "28672x4096", "4096x14336", "4608x3584", "3584x3584", "37888x3584",
-               "3584x18944")  # Llama-3.1-8B and Qwen2.5-7B; Llama-3.1-70B TP=8 and Mistral-Nemo-12B stay out
+from qcompile.kernels import fp8_gemv, wo_tune  # noqa: E402
 
 
 def exact(xq, w, xs, ws):
@@ -51,9 +53,8 @@ def bench_shape(n: int, k: int, ms, launches, bw: float, calls: int, replays: in
                "scaled_mm_us": timed([lambda w=w: torch._scaled_mm(xq, w.t(), xs, w_scale, out_dtype=torch.bfloat16)
                                       for w in ws], calls, replays, m),
                "bf16_us": timed([lambda w=w: F.linear(xb, w) for w in wb], calls, replays, m), "launches": {}}
-        m_pad = 1 << (m - 1).bit_length()
         for bn, bk, warps, stages in launches:
-            if fp8_gemv.acc_registers(bn, m_pad, bk, warps) > fp8_gemv.ACC_REGISTERS:
+            if fp8_gemv.acc_registers(bn, bk, warps) > fp8_gemv.ACC_REGISTERS:
                 continue  # its partial sums spill
             launch = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
             got = fp8_gemv._triton(xq, ws[0], xs, w_scale, None, torch.bfloat16, launch).double()
@@ -72,9 +73,31 @@ def bench_shape(n: int, k: int, ms, launches, bw: float, calls: int, replays: in
     return rows
 
 
+MARGIN = 0.03  # the GEMV takes a shape only where it beat _scaled_mm by more than this (one run's noise)
+
+
+def launch_of(name: str) -> dict:
+    """``"8x512 w8 s3"`` -> the op's launch keywords."""
+    bn, bk, warps, stages = map(int, re.fullmatch(r"(\d+)x(\d+) w(\d+) s(\d+)", name).groups())
+    return dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+
+
+def write_table(path: Path, gpu: str, rows: list[dict]) -> None:
+    """Each row's winner into the table at ``path`` (other entries kept)."""
+    entries = json.loads(path.read_text())["entries"] if path.is_file() else {}
+    for r in rows:
+        us = r["launches"][r["best"]]["us"] if r.get("best") else None
+        won = us is not None and us < (1 - MARGIN) * r["scaled_mm_us"]
+        entry = {"route": "gemv", "launch": launch_of(r["best"])} if won else {"route": "scaled_mm"}
+        entries[fp8_gemv.table_key(r["n"], r["k"], r["m"])] = {**entry, "us": us if won else r["scaled_mm_us"],
+                                                              "gemv_us": us, "scaled_mm_us": r["scaled_mm_us"]}
+    wo_tune.write_table(path, gpu, entries)
+    print(f"wrote {len(rows)} entries to {path}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", default=list(TUNE_SHAPES), help="N x K (default: %(default)s)")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), help="N x K (default: %(default)s)")
     p.add_argument("--m", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--block-n", nargs="+", type=int, default=[8, 16, 32])
     p.add_argument("--block-k", nargs="+", type=int, default=[256, 512, 1024])
@@ -83,7 +106,16 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     p.add_argument("--replays", type=int, default=10, help="graph replays (median)")
     p.add_argument("--json", default=None)
+    p.add_argument("--table", type=Path, default=None, help="add the winners to this tuning table")
+    p.add_argument("--from-json", type=Path, default=None, help="an earlier run's --json: write --table from its rows "
+                   "of --m, measuring nothing")
     args = p.parse_args(argv)
+    if args.from_json:
+        if not args.table:
+            p.error("--from-json needs --table")
+        old = json.loads(args.from_json.read_text())
+        write_table(args.table, old["gpu"], [r for r in old["results"] if r["m"] in args.m])
+        return 0
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     bw = copy_bandwidth()
@@ -98,6 +130,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.table:
+        write_table(args.table, out["gpu"], out["results"])
     return 0
 
 

@@ -22,6 +22,7 @@ tensors the Fuse pass made views of its fused constants (nothing reads them any 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -153,18 +154,20 @@ class QCompileBackend:
         patches = inductor_patches(self.options, example_inputs)
         # kernels whose op inductor replaces by graph ops (fp8_inductor), so they fuse with their neighbours
         decompositions = {**select_decomp_table(), **fp8.decompositions(self.options.fp8_gemv)}
+        keyed = _with_decisions_keyed(patches, self.options, example_inputs)
         compiled = None
         if patches.get("combo_kernels") and "combo_kernels" not in self.options.inductor_config:
             try:
-                compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+                compiled = compile_fx(gm, example_inputs, config_patches=keyed, decompositions=decompositions)
             except QCompileError:
                 raise
             except Exception as e:  # combo kernels, which the backend chose, fail on some graphs in some versions
                 log.warning("inductor failed with combo kernels on (%s: %s); compiling this graph without them",
                             type(e).__name__, str(e).splitlines()[0] if str(e) else "")
                 patches = {**patches, "combo_kernels": False}
+                keyed = {**keyed, "combo_kernels": False}
         if compiled is None:
-            compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+            compiled = compile_fx(gm, example_inputs, config_patches=keyed, decompositions=decompositions)
         self.compiled_with.append(patches)
         return compiled
 
@@ -208,6 +211,40 @@ def inductor_patches(options: Options, example_inputs) -> dict:
     if options.cudagraphs and "combo_kernels" not in patches and not inductor_config.combo_kernels:
         patches["combo_kernels"] = True
     return patches
+
+
+def _with_decisions_keyed(patches: dict, options: Options, example_inputs) -> dict:
+    """``patches`` plus a post-grad pass that changes nothing and whose uuid names what the decompositions decide
+    from outside the graph (the ``fp8_gemv`` option, the GEMV's tuning-table entries for the GPU): inductor's
+    and AOTAutograd's caches key on the graph and the config, not on the decompositions, and would otherwise
+    hand a graph compiled under other choices back. Not where the config has such a pass already."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    from .kernels import fp8_gemv
+
+    if "post_grad_custom_post_pass" in patches or inductor_config.post_grad_custom_post_pass is not None:
+        return patches
+    cuda = [t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+    key = f"qcompile fp8_gemv={options.fp8_gemv} tables={fp8_gemv.fingerprint(cuda[0]) if cuda else '-'}"
+    return {**patches, "post_grad_custom_post_pass": _decision_key_class()(key)}
+
+
+@functools.lru_cache(maxsize=None)
+def _decision_key_class():
+    from torch._inductor.custom_graph_pass import CustomGraphPass  # (inductor is imported late)
+
+    class DecisionKey(CustomGraphPass):
+        def __init__(self, key: str):
+            self.key = key
+
+        def __call__(self, graph) -> None:
+            return None
+
+        def uuid(self) -> str:
+            return self.key
+
+    return DecisionKey
 
 
 class _KeptInputs:

@@ -135,7 +135,11 @@ def fake_cuda_input(monkeypatch, capability, env=None):
         monkeypatch.delenv(name, raising=False)
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
+    from qcompile.kernels import cuda_driver
+
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(cuda_driver, "device_index", lambda device: 0)
+    monkeypatch.setattr(cuda_driver, "device_name", lambda idx: "Fake GPU")  # (the tuning tables' file)
     with FakeTensorMode():
         return torch.empty(2, 8, device="cuda")
 

@@ -199,8 +199,9 @@ def _in_graph(x2, weight, weight_scale, input_scale, bias, spec, out_dtype, gemv
     static or dynamic tensor / token activations). Under inductor the op is replaced by these ops
     (:func:`decompositions`), so the quantization fuses into the kernel that produces x (RMSNorm, SiLU * up)
     and the small-M scale epilogue into the kernel that consumes the output; run as an op (eager,
-    aot_eager) it computes the same. ``gemv``: at M <= ``fp8_gemv.MAX_M`` on a device its kernel runs on, the
-    matmul is ``qcompile::fp8_gemv`` (scales and bias inside) in place of cuBLASLt."""
+    aot_eager) it computes the same. ``gemv``: where the tuning tables measured ``qcompile::fp8_gemv`` faster
+    than cuBLASLt for this (N, K, M) on this GPU (:func:`fp8_gemv.chosen`), the matmul is that op (scales and bias
+    inside)."""
     m, n = x2.shape[0], weight.shape[0]
     act = spec.act
     per_token = act.scale.granularity is Granularity.TOKEN
@@ -212,7 +213,7 @@ def _in_graph(x2, weight, weight_scale, input_scale, bias, spec, out_dtype, gemv
         xs = input_scale.float().reshape(1, 1)
     xq = (x2.float() / xs).clamp(-quant_math.FP8_MAX, quant_math.FP8_MAX).to(quant_math.FP8)
     ws = weight_scale.float()
-    if gemv and m <= fp8_gemv.MAX_M and fp8_gemv.runs(x2):
+    if gemv and isinstance(m, int) and fp8_gemv.runs(x2) and fp8_gemv.chosen(n, weight.shape[1], m, x2) is not None:
         return torch.ops.qcompile.fp8_gemv(xq, weight, xs.reshape(-1) if per_token else xs.reshape(()),
                                            ws.reshape(-1) if per_channel else ws.reshape(()), bias, out_dtype)
     if not (per_token or per_channel):

@@ -8,24 +8,30 @@ fp32 ``[]`` or ``[M]``, ``w_scale`` fp32 ``[]`` or ``[N]``, ``bias`` ``[N]`` or 
 values are exact in fp32 and are summed in fp32; the scales and bias apply once to the sum, then one rounding.
 
 On CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``) one Triton kernel: each program takes ``BLOCK_N``
-weight rows over all of K, so each row streams once, contiguous along K; x is read alongside through a pointer
-tensor of the weight tile's shape (the repeats hit L1) so that both land in one register layout; the
-multiply-adds run on the CUDA cores (at M <= :data:`MAX_M` a tensor-core tile would be mostly padding) into
-per-thread partial sums that are reduced across K once, after the loop. No split over K: the grid is
-N / BLOCK_N programs. It launches with programmatic
+weight rows of one row of x over all of K, so each weight row streams once per row of x, contiguous along K; x is
+read alongside through a pointer tensor of the weight tile's shape (the repeats hit L1) so that both land in one
+register layout; the multiply-adds run on the CUDA cores into per-thread partial sums that are reduced across K
+once, after the loop. No split over K: the grid is N / BLOCK_N x M programs. It launches with programmatic
 dependent launch on sm_90+ (``QCOMPILE_PDL=0`` turns it off). Elsewhere the op is :func:`reference`.
 
-``fp8_inductor`` (``qcompile/kernels/fp8.py``) calls it in place of ``torch._scaled_mm`` for M <= :data:`MAX_M`
-(the backend option ``fp8_gemv=False`` keeps cuBLASLt); the activation quantization stays in the graph, fused
-into the kernel that produces x. No gradient: the op takes fp8 codes (``fp8_linear``'s own gradient is the
-straight-through one).
+Which shapes it serves is measured, not ruled: ``fp8_inductor`` (``qcompile/kernels/fp8.py``) calls it in place
+of ``torch._scaled_mm`` only where the tuning tables (:mod:`wo_tune`: the on-disk cache, then the table shipped
+for the GPU) hold a ``gemv`` entry for that (N, K, M), and the op runs the launch that entry names.
+``benchmarks/bench_fp8_gemv.py --table`` times the launches against ``torch._scaled_mm`` and writes the entries.
+Shapes with no entry keep cuBLASLt (the kernel at its default launch is slower than cuBLASLt on every shape
+measured); the backend option ``fp8_gemv=False`` keeps it everywhere. The activation quantization stays in the
+graph, fused into the kernel that produces x. No gradient: the op takes fp8 codes (``fp8_linear``'s own gradient
+is the straight-through one).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..errors import UnsupportedError
+from . import cuda_driver, wo_tune
 from .fp8_quant_triton import HAS_TRITON, interpreting, pdl, use_triton
 
 if HAS_TRITON:
@@ -37,69 +43,70 @@ if HAS_TRITON:
 
 OP = "qcompile::fp8_gemv"
 FP8 = torch.float8_e4m3fn
-MAX_M = 4  # rows the in-graph FP8 linear sends here
-LAUNCH = dict(block_n=16, block_k=512, num_warps=4, num_stages=3)  # at M = 1; K steps shrink with M (launch_for)
-ACC_REGISTERS = 64  # fp32 partial sums a thread may hold: BLOCK_N * M_PAD * BLOCK_K / threads (more spill)
+MAX_M = 1  # rows fp8_linear's "gemv" backend sends to the kernel (each row streams the weight once more)
+LAUNCH = dict(block_n=16, block_k=512, num_warps=4, num_stages=3)  # when neither the caller nor a table names one
+ACC_REGISTERS = 64  # fp32 partial sums a thread may hold: BLOCK_N * BLOCK_K / threads (more spill)
 
 
-def acc_registers(block_n: int, m_pad: int, block_k: int, num_warps: int) -> int:
-    return block_n * m_pad * block_k // (32 * num_warps)
+def acc_registers(block_n: int, block_k: int, num_warps: int) -> int:
+    return block_n * block_k // (32 * num_warps)
 
 
-def launch_for(m: int) -> dict:
-    """The op's launch at M rows: :data:`LAUNCH` with its K step divided by the padded rows."""
-    m_pad = triton.next_power_of_2(m) if HAS_TRITON else m
-    return dict(LAUNCH, block_k=max(16, LAUNCH["block_k"] // m_pad))
+def table_key(n: int, k: int, m: int) -> str:
+    """The key of the GEMV's choice at M rows of an [N, K] weight in the tuning tables (:mod:`wo_tune`): route
+    ``gemv`` with its launch, or ``scaled_mm`` where cuBLASLt was faster."""
+    return f"fp8_gemv|{n}x{k}|m{m}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _chosen(device: int, n: int, k: int, m: int) -> dict | None:
+    choice = wo_tune.lookup(cuda_driver.device_name(device), table_key(n, k, m))
+    return dict(choice.launch) if choice is not None and choice.route == "gemv" else None
+
+
+def chosen(n: int, k: int, m: int, x: torch.Tensor) -> dict | None:
+    """The launch the tables measured fastest for this shape on ``x``'s GPU, or None where they have no entry or
+    cuBLASLt won (``fp8_inductor`` then keeps ``torch._scaled_mm``). :func:`forget` after a table changes."""
+    if not x.is_cuda:
+        return None
+    return _chosen(cuda_driver.device_index(x.device), n, k, m)
+
+
+def forget() -> None:
+    """Read the tables again at the next :func:`chosen`."""
+    wo_tune.clear()
+    _chosen.cache_clear()
 
 
 if HAS_TRITON:
     @triton.jit
-    def _gemv_kernel(X, W, XS, WS, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
-                     X_VEC: tl.constexpr, W_VEC: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr,
+    def _gemv_kernel(X, W, XS, WS, B, OUT, N, K, stride_xm, stride_wn, stride_om,
+                     X_VEC: tl.constexpr, W_VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
         _pdl_start(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(1)  # one row of x per program: the row count a GEMV serves is too small for a tile
         n_ok = rows < N
-        ms = tl.arange(0, M_PAD)
-        m_ok = ms < M
         # products summed elementwise over the K steps, reduced across K once after the loop: no shuffles or
-        # barriers inside it (BLOCK_N * M_PAD * BLOCK_K / threads fp32 registers per thread: ACC_REGISTERS)
-        if M_PAD == 1:
-            part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        else:
-            part3 = tl.zeros([BLOCK_N, M_PAD, BLOCK_K], dtype=tl.float32)
+        # barriers inside it (BLOCK_N * BLOCK_K / threads fp32 registers per thread: ACC_REGISTERS)
+        part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
-            # w and x through pointer tensors of the product's shape (stride 0 along the dimension each lacks;
-            # the repeated reads hit L1), so that both arrive in one register layout: no exchange through shared
-            # memory inside the loop
-            if M_PAD == 1:  # one row: a [BLOCK_N, BLOCK_K] product, no padded second row
-                w = tl.load(W + rows[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-                x = tl.load(X + rows[:, None] * 0 + kk[None, :], mask=k_ok[None, :], other=0)
-                part += _fp8_value(w, NATIVE) * _fp8_value(x, NATIVE)
-            else:
-                w = tl.load(W + rows[:, None, None] * stride_wn + ms[None, :, None] * 0 + kk[None, None, :],
-                            mask=n_ok[:, None, None] & k_ok[None, None, :], other=0)
-                x = tl.load(X + rows[:, None, None] * 0 + ms[None, :, None] * stride_xm + kk[None, None, :],
-                            mask=m_ok[None, :, None] & k_ok[None, None, :], other=0)
-                part3 += _fp8_value(w, NATIVE) * _fp8_value(x, NATIVE)
-        if M_PAD == 1:
-            acc = tl.sum(part, axis=1)[:, None]
-        else:
-            acc = tl.sum(part3, axis=2)
-        if X_VEC:
-            acc = acc * tl.load(XS + ms, mask=m_ok, other=0.0)[None, :]
-        else:
-            acc = acc * tl.load(XS)
+            # x through a pointer tensor of the weight tile's shape (stride 0 along N; the repeated reads hit
+            # L1), so that both arrive in one register layout: no exchange through shared memory in the loop
+            w = tl.load(W + rows[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            x = tl.load(X + m * stride_xm + rows[:, None] * 0 + kk[None, :], mask=k_ok[None, :], other=0)
+            part += _fp8_value(w, NATIVE) * _fp8_value(x, NATIVE)
+        acc = tl.sum(part, axis=1)
+        acc = acc * (tl.load(XS + m) if X_VEC else tl.load(XS))
         if W_VEC:
-            acc = acc * tl.load(WS + rows, mask=n_ok, other=0.0)[:, None]
+            acc = acc * tl.load(WS + rows, mask=n_ok, other=0.0)
         else:
             acc = acc * tl.load(WS)
         if HAS_BIAS:
-            acc += tl.load(B + rows, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(OUT + ms[None, :] * stride_om + rows[:, None], acc.to(OUT.dtype.element_ty),
-                 mask=n_ok[:, None] & m_ok[None, :])
+            acc += tl.load(B + rows, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(OUT + m * stride_om + rows, acc.to(OUT.dtype.element_ty), mask=n_ok)
 
 
 def _check(xq, weight, x_scale, weight_scale, bias):
@@ -132,19 +139,18 @@ def reference(xq, weight, x_scale, weight_scale, bias, out_dtype):
 
 def _triton(xq, weight, x_scale, weight_scale, bias, out_dtype, launch=None):
     (m, k), n = xq.shape, weight.shape[0]
-    cfg = {**launch_for(m), **(launch or {})}
+    cfg = {**LAUNCH, **(launch or chosen(n, k, m, xq) or {})}
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
     xq = xq if xq.stride(1) == 1 else xq.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     native = xq.is_cuda and not interpreting()
-    _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
+    _gemv_kernel[(triton.cdiv(n, cfg["block_n"]), m)](
         xq.view(torch.uint8), weight.view(torch.uint8), x_scale, weight_scale, weight_scale if bias is None else bias,
-        out, m, n, k, xq.stride(0), weight.stride(0), out.stride(0), X_VEC=x_scale.dim() == 1,
-        W_VEC=weight_scale.dim() == 1, HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m),
-        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], NATIVE=native, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **pdl(xq))
+        out, n, k, xq.stride(0), weight.stride(0), out.stride(0), X_VEC=x_scale.dim() == 1,
+        W_VEC=weight_scale.dim() == 1, HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        NATIVE=native, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(xq))
     return out
 
 
@@ -167,3 +173,15 @@ def _(xq, weight, x_scale, weight_scale, bias, out_dtype):
 def runs(x: torch.Tensor) -> bool:
     """Whether the kernel (not the reference) runs for tensors like ``x``."""
     return use_triton(x)
+
+
+def fingerprint(device: torch.device) -> str:
+    """A digest of the GEMV's table entries for ``device``'s GPU (what :func:`chosen` answers from): the backend
+    puts it in inductor's cache key, so that a graph compiled before a table changed is not reused."""
+    import hashlib
+    import json
+
+    name = cuda_driver.device_name(cuda_driver.device_index(device))
+    entries = {f"{where}:{key}": choice.to_json() for where in ("shipped", "cache")
+               for key, choice in wo_tune.table(where, name).items() if key.startswith("fp8_gemv|")}
+    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:16]
