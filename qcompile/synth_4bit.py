@@ -237,13 +237,15 @@ def _block(name: str) -> str:
 
 def _shared(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each layer's value replaced by the max over its fused group (q/k/v, gate/up of one block)."""
-    out = dict(values)
+    groups: dict[tuple, list[str]] = {}
     for name in values:
-        parent = _block(name)
-        for group in FUSED:
-            if _leaf(name) in group:
-                members = [m for m in values if _leaf(m) in group and _block(m) == parent]
-                out[name] = torch.stack([values[m] for m in members]).max()
+        group = next((g for g in FUSED if _leaf(name) in g), None)
+        if group is not None:
+            groups.setdefault((_block(name), group), []).append(name)
+    out = dict(values)
+    for members in groups.values():
+        shared = torch.stack([values[m] for m in members]).max()
+        out.update(dict.fromkeys(members, shared))
     return out
 
 
