@@ -46,7 +46,7 @@ class Options:
     batch_counters: bool = True  # the cache layers' length-counter increments as one add at the graph's end
     small_topk: bool = True  # inductor on CUDA: a router's top-k as selection steps fused into one kernel
     small_linear: bool = True  # inductor on CUDA: a decode-size linear with few outputs (a router) as a reduction
-    fp8_gemv: bool = True  # inductor: fp8_inductor's matmul at M <= 4 on qcompile::fp8_gemv, not cuBLASLt
+    fp8_gemv: bool = True  # inductor: fp8_inductor's matmul on qcompile::fp8_gemv where its tuning table chose it
     cudagraphs: bool = False  # inductor: capture CUDA graphs (like mode="reduce-overhead")
     inductor_config: dict[str, Any] = field(default_factory=dict)
     on_graph: Callable | None = None  # test hook: called with (gm before the pass as code, gm after)

@@ -23,3 +23,9 @@ def run_interpreted(script: str, timeout: int) -> dict:
                           timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def error_record(out, want) -> list:
+    """What an interpreter script reports per case: [max |out - want|, max |want|, out's shape, out's dtype]."""
+    return [(out.double() - want.double()).abs().max().item(), want.abs().max().item(), list(out.shape),
+            str(out.dtype)]

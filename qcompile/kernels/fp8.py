@@ -167,11 +167,17 @@ def _gemv(x2, weight, weight_scale, input_scale, bias, spec, out_dtype):
             or spec.act.scale.granularity is Granularity.GROUP):
         return _scaled_mm(x2, weight, weight_scale, input_scale, bias, spec, out_dtype)
     xq, xs = fq.quantize(x2, spec.act, input_scale)
+    return _gemv_op(xq, xs, weight, weight_scale, bias, spec, out_dtype)
+
+
+def _gemv_op(xq, xs, weight, weight_scale, bias, spec, out_dtype):
+    """``qcompile::fp8_gemv`` on quantized x: the x scale per row (per-token) or one, the weight scale per row
+    (per-channel) or one, as the op takes them."""
     per_token = spec.act.scale.granularity is Granularity.TOKEN
     per_channel = spec.weight.scale.granularity is Granularity.CHANNEL
+    ws = weight_scale.float()
     return torch.ops.qcompile.fp8_gemv(xq, weight, xs.reshape(-1) if per_token else xs.reshape(()),
-                                       weight_scale.float().reshape(-1) if per_channel else
-                                       weight_scale.float().reshape(()), bias, out_dtype)
+                                       ws.reshape(-1) if per_channel else ws.reshape(()), bias, out_dtype)
 
 
 def _scaled_mm_block(x2, weight, weight_scale, input_scale, bias, spec, out_dtype):
@@ -214,8 +220,7 @@ def _in_graph(x2, weight, weight_scale, input_scale, bias, spec, out_dtype, gemv
     xq = (x2.float() / xs).clamp(-quant_math.FP8_MAX, quant_math.FP8_MAX).to(quant_math.FP8)
     ws = weight_scale.float()
     if gemv and isinstance(m, int) and fp8_gemv.runs(x2) and fp8_gemv.chosen(n, weight.shape[1], m, x2) is not None:
-        return torch.ops.qcompile.fp8_gemv(xq, weight, xs.reshape(-1) if per_token else xs.reshape(()),
-                                           ws.reshape(-1) if per_channel else ws.reshape(()), bias, out_dtype)
+        return _gemv_op(xq, xs, weight, ws, bias, spec, out_dtype)
     if not (per_token or per_channel):
         return torch._scaled_mm(xq, weight.t(), xs.reshape(()), ws.reshape(()),
                                 bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)

@@ -177,6 +177,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     import json, os, torch
     assert os.environ["TRITON_INTERPRET"] == "1"
     from qcompile.kernels import attention as at
+    from tests.interpreter_util import error_record
     from tests.kernels.test_attention import CASES, case_inputs, oracle
     assert at.triton_reason(torch.empty(1, 1, 1, 8), torch.empty(1, 1, 1, 8), torch.empty(1, 1, 1, 8), None) is None
     res = {}
@@ -184,9 +185,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         q, k, v, m, ks, vs, s = case_inputs(kw)
         out = at._triton(q, k, v, m, 0.125, splits, ks, vs, s) if splits else at.decode_attention(q, k, v, m, 0.125,
                                                                                                   ks, vs, s)
-        want = oracle(q, k, v, m, 0.125, ks, vs, s)
-        res[name] = [(out.float() - want).abs().max().item(), want.abs().max().item(), list(out.shape),
-                     str(out.dtype)]
+        res[name] = error_record(out, oracle(q, k, v, m, 0.125, ks, vs, s))
     print(json.dumps(res))
 """)
 

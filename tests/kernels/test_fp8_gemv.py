@@ -80,14 +80,12 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     import json, os, torch
     assert os.environ["TRITON_INTERPRET"] == "1"
     from qcompile.kernels import fp8_gemv
+    from tests.interpreter_util import error_record
     from tests.kernels.test_fp8_gemv import CASES, gemv_args, exact
     res = {}
     for name, (m, n, k, xv, wv, bias, dtype, launch) in CASES.items():
         args = gemv_args(m, n, k, xv, wv, bias)
-        out = fp8_gemv._triton(*args, getattr(torch, dtype), launch)
-        want = exact(*args)
-        res[name] = [(out.double() - want).abs().max().item(), want.abs().max().item(), list(out.shape),
-                     str(out.dtype)]
+        res[name] = error_record(fp8_gemv._triton(*args, getattr(torch, dtype), launch), exact(*args))
     print(json.dumps(res))
 """)
 
