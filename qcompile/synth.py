@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import synth_4bit
+from .errors import ConfigError
 from .kernels.quant_math import FP8_MAX, fp8_scale_from_amax, quantize_weight_fp8
 from .modules import is_router
 from .scheme import Granularity
@@ -277,10 +278,31 @@ def gptoss_mxfp4_state(model) -> tuple[dict, dict]:
     return state, {"config": {"quant_method": "mxfp4", "modules_to_not_convert": list(GPTOSS_NOT_CONVERTED)}}
 
 
+# config fields that fix a model's tensor shapes: a config.json already in the target directory must agree on them
+SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "num_experts",
+                "num_local_experts", "tie_word_embeddings")
+
+
+def _check_existing_config(config_path: str, model) -> None:
+    """A config.json left in the target directory (save_pretrained's, or a stale one from another model) must
+    describe ``model``: the tensors written beside it are loaded against it."""
+    with open(config_path) as f:
+        on_disk = json.load(f)
+    mine = model.config.to_dict()
+    differ = [f"{k} {on_disk[k]!r} (the model: {mine[k]!r})" for k in SHAPE_FIELDS
+              if k in on_disk and k in mine and on_disk[k] != mine[k]]
+    if differ:
+        raise ConfigError(f"describes another model: {', '.join(differ)}", where=config_path,
+                          fix="write the checkpoint into an empty directory, or delete this one first")
+
+
 def _save(path: str, model, state: dict, qcfg: dict | None, max_shard_bytes: int | None) -> None:
     os.makedirs(path, exist_ok=True)
     config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):  # a model built in memory: what save_pretrained writes beside it
+    if os.path.exists(config_path):
+        _check_existing_config(config_path, model)
+    else:  # a model built in memory: what save_pretrained writes beside it
         model.config.architectures = [type(model).__name__]
         model.config.save_pretrained(path)
         write_tokenizer(path)
@@ -288,16 +310,20 @@ def _save(path: str, model, state: dict, qcfg: dict | None, max_shard_bytes: int
         if name.startswith("model") and ".safetensors" in name:
             os.remove(os.path.join(path, name))
     _save_tensors(path, state, max_shard_bytes)
-    if qcfg is None:
-        return
     with open(config_path) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = qcfg["config"]
-    with open(config_path, "w") as f:
-        json.dump(cfg, f, indent=2)
-    if "hf_quant_config" in qcfg:
-        with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+    if qcfg is not None or "quantization_config" in cfg:  # a bf16 checkpoint drops one left in the directory
+        cfg.pop("quantization_config", None)
+        if qcfg is not None:
+            cfg["quantization_config"] = qcfg["config"]
+        with open(config_path, "w") as f:
+            json.dump(cfg, f, indent=2)
+    hf_quant = os.path.join(path, "hf_quant_config.json")
+    if qcfg is not None and "hf_quant_config" in qcfg:
+        with open(hf_quant, "w") as f:
             json.dump(qcfg["hf_quant_config"], f, indent=4)
+    elif os.path.exists(hf_quant):  # a ModelOpt config left by an earlier checkpoint in this directory
+        os.remove(hf_quant)
 
 
 def _save_tensors(path: str, state: dict, max_shard_bytes: int | None) -> None:

@@ -155,6 +155,25 @@ def test_moe_writer_refuses_formats_it_does_not_cover(tmp_path):
         synth.write_model(str(tmp_path), in_memory_model("cpu", moe=True), "ct-fp8-block")
 
 
+def test_writer_refuses_a_directory_of_another_model(tmp_path):
+    """A checkpoint written into a directory that holds another model's config.json is refused (its tensors would
+    be loaded against the wrong shapes); one of the same model is rewritten, its ModelOpt config and its
+    quantization config dropped when the new format has none."""
+    synth.write_model(str(tmp_path), in_memory_model("cpu"), "modelopt-fp8")
+    assert (tmp_path / "hf_quant_config.json").exists()
+    synth.write_model(str(tmp_path), in_memory_model("cpu"), "ct-w4a16")
+    assert not (tmp_path / "hf_quant_config.json").exists()
+    synth.write_model(str(tmp_path), in_memory_model("cpu"), "bf16")
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(qcompile.errors.ConfigError, match="has no quantization config"):  # loads as bf16 only
+        qcompile.load(str(tmp_path))
+    other = in_memory_model("cpu")
+    other.config.num_hidden_layers += 1
+    with pytest.raises(qcompile.errors.ConfigError, match=r"config.json: describes another model: "
+                       r"num_hidden_layers 2 \(the model: 3\).* Fix: write the checkpoint into an empty directory"):
+        synth.write_model(str(tmp_path), other, "ct-w4a16")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,moe", [("modelopt-fp8", False), ("modelopt-fp8-pcpt", False), ("ct-w4a16", False),
                                      ("ct-nvfp4", False), ("modelopt-nvfp4", False), ("ct-w8a8-int8", False),
