@@ -84,14 +84,14 @@ def launch_of(name: str) -> dict:
 
 def write_table(path: Path, gpu: str, rows: list[dict]) -> None:
     """Each row's winner into the table at ``path`` (other entries kept)."""
-    entries = json.loads(path.read_text())["entries"] if path.is_file() else {}
+    entries = {}
     for r in rows:
         us = r["launches"][r["best"]]["us"] if r.get("best") else None
         won = us is not None and us < (1 - MARGIN) * r["scaled_mm_us"]
         entry = {"route": "gemv", "launch": launch_of(r["best"])} if won else {"route": "scaled_mm"}
         entries[fp8_gemv.table_key(r["n"], r["k"], r["m"])] = {**entry, "us": us if won else r["scaled_mm_us"],
                                                               "gemv_us": us, "scaled_mm_us": r["scaled_mm_us"]}
-    wo_tune.write_table(path, gpu, entries)
+    wo_tune.merge_table(path, gpu, entries)
     print(f"wrote {len(rows)} entries to {path}")
 
 

@@ -114,7 +114,8 @@ def main(argv=None) -> int:
         p.error("needs a CUDA GPU")
     name = torch.cuda.get_device_name()
     path = args.out / wo_tune.file_name(name)
-    entries = json.loads(path.read_text())["entries"] if path.is_file() else {}
+    wo_tune.read_table(path)  # a file that is not a table stops the run before it measures anything
+    written = 0
     bw = copy_bandwidth()
     print(f"{name}: copy bandwidth {bw / 1e12:.2f} TB/s (the floor: weight bytes at that rate)")
     if args.moe:
@@ -123,20 +124,22 @@ def main(argv=None) -> int:
         rows = {f: next(r for r in bench_moe.OURS_WO if f in r) for f in args.moe_formats}
         for shape in args.moe:
             for row in rows.values():
-                entries.update(tune_moe(shape, row, args.tokens, bw, args.reps))
+                entries = tune_moe(shape, row, args.tokens, bw, args.reps)
                 torch.cuda.empty_cache()
-                wo_tune.write_table(path, name, entries)
-        print(f"wrote {path} ({len(entries)} entries)")
+                wo_tune.merge_table(path, name, entries)
+                written += len(entries)
+        print(f"wrote {written} entries to {path}")
         return 0
     g = torch.Generator(device="cuda").manual_seed(0)
     for fmt in args.formats:
         print(f"-- {fmt}")
         for shape in args.shapes:
             n, k = map(int, shape.lower().split("x"))
-            entries.update(tune_shape(FORMATS[fmt], n, k, args.m, g, bw, args.reps))
+            entries = tune_shape(FORMATS[fmt], n, k, args.m, g, bw, args.reps)
             torch.cuda.empty_cache()
-            wo_tune.write_table(path, name, entries)  # after each shape: a cut run keeps what it measured
-    print(f"wrote {path} ({len(entries)} entries)")
+            wo_tune.merge_table(path, name, entries)  # after each shape: a cut run keeps what it measured
+            written += len(entries)
+    print(f"wrote {written} entries to {path}")
     return 0
 
 

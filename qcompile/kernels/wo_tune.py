@@ -134,6 +134,14 @@ def write_table(path: Path, gpu_name: str, entries: dict[str, dict]) -> None:
     tmp.replace(path)
 
 
+def merge_table(path: Path, gpu_name: str, entries: dict[str, dict]) -> None:
+    """Add ``entries`` to the table file at ``path`` (created where missing; its other entries kept, those of
+    the same keys replaced). A file that is not a table raises ConfigError (:func:`read_table`)."""
+    read_table(path)
+    old = json.loads(path.read_text())["entries"] if path.is_file() else {}
+    write_table(path, gpu_name, {**old, **entries})
+
+
 _TABLES: dict[tuple[str, str], dict[str, Choice]] = {}  # (where, GPU name) -> table
 
 
@@ -160,11 +168,7 @@ def store(gpu_name: str, key: str, choice: Choice, figures: dict | None = None) 
     folder = cache_dir()
     if folder is None:
         return
-    path = folder / file_name(gpu_name)
-    read_table(path)  # (a file that is not a table raises)
-    entries = json.loads(path.read_text())["entries"] if path.is_file() else {}
-    entries[key] = {**choice.to_json(), **(figures or {})}
-    write_table(path, gpu_name, entries)
+    merge_table(folder / file_name(gpu_name), gpu_name, {key: {**choice.to_json(), **(figures or {})}})
     _TABLES.pop((str(folder), gpu_name), None)
 
 

@@ -92,6 +92,21 @@ def test_cache_file_round_trip(tables):
     assert str(path) in str(e.value)
 
 
+def test_merge_table_keeps_other_entries(tmp_path):
+    """merge_table adds to a table file: other entries (and unknown routes) kept, the same keys replaced; a file
+    that is not a table is refused before anything is written."""
+    path = tmp_path / "t.json"
+    wo_tune.merge_table(path, GPU, {"a": {"route": "policy"}, "b": {"route": "tensorrt"}})
+    wo_tune.merge_table(path, GPU, {"a": {"route": "dequant", "us": 3.0}, "c": {"route": "triton"}})
+    raw = json.loads(path.read_text())
+    assert raw["gpu"] == GPU and raw["entries"] == {"a": {"route": "dequant", "us": 3.0}, "b": {"route": "tensorrt"},
+                                                   "c": {"route": "triton"}}
+    path.write_text("[1, 2")
+    with pytest.raises(ConfigError, match="not a qcompile tuning table"):
+        wo_tune.merge_table(path, GPU, {"d": {"route": "policy"}})
+    assert path.read_text() == "[1, 2"
+
+
 def _on_cuda(*shape):
     return torch.empty(*shape, dtype=torch.bfloat16, device="meta").as_subclass(OnCuda)
 
