@@ -103,7 +103,8 @@ def parse_args(argv=None):
                    help="the compiler after Dynamo (bf16) / after qcompile's passes; eager: a fast smoke test")
     p.add_argument("--no-fullgraph", action="store_true", help="let the compiled step have graph breaks")
     p.add_argument("--workdir", default=None,
-                   help="where checkpoints are written, one subdirectory per format, replaced (default: a temporary dir)")
+                   help="where checkpoints are written, one subdirectory per format, replaced "
+                   "(default: a temporary dir)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="print one table from the --json files of runs split by --formats (same machine), and exit")
@@ -182,7 +183,7 @@ def write_checkpoints(model, args, root: str) -> dict:
     bases = [split_format(f)[0] for f in args.formats]
     for source in dict.fromkeys("bf16" if f in ONLINE else f for f in bases if f != "bf16"):
         t0 = time.perf_counter()
-        shutil.rmtree(os.path.join(root, source), ignore_errors=True)  # a --workdir may hold another model's
+        shutil.rmtree(os.path.join(root, source), ignore_errors=True)  # another run's, in a --workdir
         synth.write_model(os.path.join(root, source), model, source, max_shard_bytes=4 << 30)
         em.sync(args.device)
         written[source] = (os.path.join(root, source), time.perf_counter() - t0)

@@ -221,12 +221,14 @@ def write_model(path: str, model, fmt: str, kv_cache: str | None = None, max_sha
     """Write ``model`` (a transformers model in bf16, on any device: the quantization runs where the
     weights are, with the same arithmetic and bytes as on the CPU) in ``fmt`` to ``path``; returns
     ``path``. Calibrates first (:func:`calibrate`). A ``config.json`` already in ``path`` (from
-    ``save_pretrained``) gets the quantization config added; else the model's config and a tokenizer are
-    written. ``max_shard_bytes``: split the tensors into ``model-0000i-of-0000n.safetensors`` files and an
-    index, as ``save_pretrained`` does; else one ``model.safetensors``. MoE models (fused experts) are
-    written in bf16, ModelOpt FP8, compressed-tensors FP8_DYNAMIC and the 4-bit formats (each expert's gate
-    and up share one NVFP4 global scale), experts and routers named as ``fmt``'s producer names them
-    (:data:`MOE_DISK_NAMES`). :data:`GPTOSS_MXFP4` writes a gpt-oss model as OpenAI's checkpoints hold it
+    ``save_pretrained``) must describe ``model`` (:data:`SHAPE_FIELDS`; ConfigError otherwise) and gets the
+    quantization config in place of any it had (a stale ``hf_quant_config.json`` is removed); else the model's
+    config and a tokenizer are written. ``max_shard_bytes``: split the tensors into
+    ``model-0000i-of-0000n.safetensors`` files and an index, as ``save_pretrained`` does; else one
+    ``model.safetensors``. MoE models (fused experts) are written in bf16, ModelOpt FP8, compressed-tensors
+    FP8_DYNAMIC and the 4-bit formats (each expert's gate and up share one NVFP4 global scale), experts and routers
+    named as ``fmt``'s producer names them (:data:`MOE_DISK_NAMES`). :data:`GPTOSS_MXFP4` writes a gpt-oss model
+    as OpenAI's checkpoints hold it
     (:func:`gptoss_mxfp4_state`; no calibration)."""
     if fmt == GPTOSS_MXFP4:
         _save(path, model, *gptoss_mxfp4_state(model), max_shard_bytes)
