@@ -104,21 +104,26 @@ def cache_dir() -> Path | None:
     return Path(base) / "qcompile" / "tuned"
 
 
-def read_table(path: Path) -> dict[str, Choice]:
-    """Key -> choice of one table file; {} where it is missing. A file that is not such a table raises
-    ConfigError naming it; entries of routes this version does not know are skipped."""
+def _entries(path: Path) -> dict:
+    """The raw entries of the table file at ``path`` (key -> JSON object); {} where it is missing. A file that is
+    not such a table raises ConfigError naming it."""
     if not path.is_file():
         return {}
     try:
-        raw = json.loads(path.read_text())
-        entries = raw["entries"]
+        entries = json.loads(path.read_text())["entries"]
         if not isinstance(entries, dict):
             raise TypeError("entries is not an object")
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"not a qcompile tuning table ({type(e).__name__}: {e})", where=str(path),
                           fix="delete the file, or point QCOMPILE_TUNE_CACHE at another folder") from e
+    return entries
+
+
+def read_table(path: Path) -> dict[str, Choice]:
+    """Key -> choice of one table file; {} where it is missing. A file that is not such a table raises
+    ConfigError naming it; entries of routes this version does not know are skipped."""
     out = {}
-    for key, entry in entries.items():
+    for key, entry in _entries(path).items():
         choice = Choice.from_json(entry) if isinstance(entry, dict) else None
         if choice is not None:
             out[key] = choice
@@ -136,10 +141,8 @@ def write_table(path: Path, gpu_name: str, entries: dict[str, dict]) -> None:
 
 def merge_table(path: Path, gpu_name: str, entries: dict[str, dict]) -> None:
     """Add ``entries`` to the table file at ``path`` (created where missing; its other entries kept, those of
-    the same keys replaced). A file that is not a table raises ConfigError (:func:`read_table`)."""
-    read_table(path)
-    old = json.loads(path.read_text())["entries"] if path.is_file() else {}
-    write_table(path, gpu_name, {**old, **entries})
+    the same keys replaced). A file that is not a table raises ConfigError, as in :func:`read_table`."""
+    write_table(path, gpu_name, {**_entries(path), **entries})
 
 
 _TABLES: dict[tuple[str, str], dict[str, Choice]] = {}  # (where, GPU name) -> table
