@@ -159,7 +159,7 @@ STREAM_ONLY = """#pragma unroll
           for (int j = 0; j < RT; j++) {
             const u32 f = ra[j][st].v[0] ^ ra[j][st].v[1] ^ ra[j][st].v[2] ^ ra[j][st].v[3] ^ rb[j][st].v[0] ^
                           rb[j][st].v[1] ^ rb[j][st].v[2] ^ rb[j][st].v[3];
-            DST[j * MT][0] += __uint_as_float(f & 0x3FFFFFFFu);
+            acc[j * MT][0] += __uint_as_float(f & 0x3FFFFFFFu);
           }
           if (false)
 """
