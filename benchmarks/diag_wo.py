@@ -118,17 +118,18 @@ class source_of:
         wo_mma.SOURCE, wo_mma._KERNELS, wo_policy._PLANS, wo_policy._DEFAULTS = self.saved
 
 
+def under(ctx, fn):
+    """``fn`` run inside ``ctx`` (a :class:`source_of`) at each call."""
+    def call():
+        with ctx:
+            return fn()
+    return call
+
+
 def ab(args, g, res):
     """The default launch (through the op's mma backend) with this checkout's wo_mma.cu and with each of
     ``args.ab``, rounds interleaved; bf16 F.linear beside them; the outputs compared bit for bit."""
     others = {Path(a).stem: source_of(a) for a in args.ab}
-
-    def under(ctx, fn):
-        def call():
-            with ctx:
-                return fn()
-        return call
-
     for shape in args.shapes:
         n, k, xs = with_bf16(shape, args.ab_m, g, res)
         for name in args.ab_formats:
@@ -188,13 +189,6 @@ def stream(args, g, res):
     bw = copy_bandwidth()
     res["copy_GBps"] = round(bw / 1e9)
     variants = json.loads(args.stream_variants) if args.stream_variants else STREAM_VARIANTS
-
-    def under(ctx, fn):
-        def call():
-            with ctx:
-                return fn()
-        return call
-
     for shape in args.shapes:
         n, k = map(int, shape.split("x"))
         for name in args.stream_formats:

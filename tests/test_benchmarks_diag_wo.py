@@ -6,30 +6,18 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from qcompile.kernels import wo_mma, wo_policy
 
+from .bench_util import benchmark
 from .kernels.test_wo_policy import FakeGpu
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _diag():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import diag_wo
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return diag_wo
 
 
 def test_stream_source_replaces_the_decode_once():
-    diag = _diag()
+    diag = benchmark("diag_wo")
     text = wo_mma.SOURCE.read_text()
     out = diag.stream_source(text)
     assert out.count(diag.STREAM_ONLY + diag.STREAM_ANCHOR) == 1
@@ -41,7 +29,7 @@ def test_stream_source_replaces_the_decode_once():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_stream_source_compiles(tmp_path):
     """The stream-only copy of an int4 g128 M = 1 launch (tiled weights, sm_90) compiles."""
-    diag = _diag()
+    diag = benchmark("diag_wo")
     spec = replace(diag.FORMATS["int4 g128"], tiled=True)
     cfg = wo_policy.choose(FakeGpu((9, 0), 132), wo_policy.Call(spec, 1, 4096, 4096), True, kw=2).cfg
     src = tmp_path / "stream.cu"
