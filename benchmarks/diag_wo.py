@@ -4,6 +4,7 @@
     python benchmarks/diag_wo.py --op-vs-direct    # M = 16: the op against a direct wo_mma call, weight data
     python benchmarks/diag_wo.py --ws-sweep        # M = 64: warp-specialized launch variants, x_prep's cost
     python benchmarks/diag_wo.py --ab OLD.cu ...   # each OLD.cu's default launch (git show HEAD~:...) vs this one
+    python benchmarks/diag_wo.py --stream          # M = 1, 4, 16: each launch vs the same launch streaming only
 
 µs per call as in bench_wo_linear (CUDA-graph replays, rotating weight copies), every cell twice (rounds
 interleaved) where the flag says so; JSON to --out.
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_wo_linear import FORMATS, copies_for, op_fn, timed, weight_copies  # noqa: E402
+from bench_wo_linear import FORMATS, copies_for, op_fn, timed, weight_bytes, weight_copies  # noqa: E402
+from tune_wo import copy_bandwidth  # noqa: E402
 
 from qcompile.kernels import cuda_driver, quant_math, wo_mma, wo_policy  # noqa: E402
 
@@ -115,17 +118,18 @@ class source_of:
         wo_mma.SOURCE, wo_mma._KERNELS, wo_policy._PLANS, wo_policy._DEFAULTS = self.saved
 
 
+def under(ctx, fn):
+    """``fn`` run inside ``ctx`` (a :class:`source_of`) at each call."""
+    def call():
+        with ctx:
+            return fn()
+    return call
+
+
 def ab(args, g, res):
     """The default launch (through the op's mma backend) with this checkout's wo_mma.cu and with each of
     ``args.ab``, rounds interleaved; bf16 F.linear beside them; the outputs compared bit for bit."""
     others = {Path(a).stem: source_of(a) for a in args.ab}
-
-    def under(ctx, fn):
-        def call():
-            with ctx:
-                return fn()
-        return call
-
     for shape in args.shapes:
         n, k, xs = with_bf16(shape, args.ab_m, g, res)
         for name in args.ab_formats:
@@ -143,6 +147,70 @@ def ab(args, g, res):
                         rounds[o].append(timed(f, 20, 25, m))
                 res[key] = dict(rounds, same_bits=same, rel=err)
                 print(key, res[key], flush=True)
+            del qs
+
+
+# --stream: the mma.sync build's decode and MMAs of one chunk (wo_mma.cu's main loop), and what a copy of the source
+# runs before them instead: the chunk's loaded words XOR-folded into one accumulator, the rest skipped. Everything
+# else (grid, prologue, loads, split-K reduction, epilogue) is the kernel's own.
+STREAM_ANCHOR = """#pragma unroll
+          for (int j = 0; j < RT; j++)
+            decode_chunk(ra[j][st], rb[j][st], kc[j], [&](int k16, u32 a0, u32 a1, u32 a2, u32 a3) {"""
+STREAM_ONLY = """#pragma unroll
+          for (int j = 0; j < RT; j++) {
+            const u32 f = ra[j][st].v[0] ^ ra[j][st].v[1] ^ ra[j][st].v[2] ^ ra[j][st].v[3] ^ rb[j][st].v[0] ^
+                          rb[j][st].v[1] ^ rb[j][st].v[2] ^ rb[j][st].v[3];
+            acc[j * MT][0] += __uint_as_float(f & 0x3FFFFFFFu);
+          }
+          if (false)
+"""
+# launches --stream times by default: the op's (its tuning table's, else the policy's) and wo_mma's mma.sync
+# refinements; the lock-step and warp-specialized wgmma builds have no stream-only copy (their times are the kernel's)
+STREAM_VARIANTS = [dict(), dict(xs=True), dict(kw=2), dict(stages=4), dict(stages=8)]
+
+
+def stream_source(text: str) -> str:
+    """``text`` (wo_mma.cu) with the mma.sync build's decode and MMAs replaced by :data:`STREAM_ONLY`: the kernel
+    with its weight stream alone. Exits naming the anchor where the source no longer has it once."""
+    if text.count(STREAM_ANCHOR) != 1:
+        raise SystemExit("diag_wo --stream: wo_mma.cu's mma.sync main loop no longer holds STREAM_ANCHOR once; "
+                         "update STREAM_ANCHOR / STREAM_ONLY in benchmarks/diag_wo.py to the new loop")
+    return text.replace(STREAM_ANCHOR, STREAM_ONLY + STREAM_ANCHOR)
+
+
+def stream(args, g, res):
+    """Per shape, format and M of ``args.stream_m``: the op's mma launch (first column, ``{}``) and wo_mma with each
+    of ``args.stream_variants``, with this checkout's kernel and with its weight stream alone (:func:`stream_source`),
+    rounds interleaved, next to the weight-read floor at the copy bandwidth measured here. The difference is the
+    time the decode and MMAs add to the stream on that launch."""
+    path = Path(tempfile.mkdtemp()) / "wo_mma_stream.cu"
+    path.write_text(stream_source(wo_mma.SOURCE.read_text()))
+    only = source_of(path)
+    bw = copy_bandwidth()
+    res["copy_GBps"] = round(bw / 1e9)
+    variants = json.loads(args.stream_variants) if args.stream_variants else STREAM_VARIANTS
+    for shape in args.shapes:
+        n, k = map(int, shape.split("x"))
+        for name in args.stream_formats:
+            qs, sp = tiled_copies(FORMATS[name], n, k, g)
+            floor = round(weight_bytes(qs[0]) / bw * 1e6, 2)
+            for m in args.stream_m:
+                x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+                for v in variants:
+                    key = f"{shape} {name} M={m} {json.dumps(v, sort_keys=True)}"
+                    if v:
+                        real = [lambda q=q, v=v: wo_mma.wo_mma(x, q["weight"], q["weight_scale"],
+                                                               q["weight_global_scale"], None, None, sp, **v)
+                                for q in qs]
+                    else:
+                        real = [op_fn(x, q, sp, "mma") for q in qs]
+                    fns = {"kernel": real, "stream": [under(only, f) for f in real]}
+                    rounds = {o: [] for o in fns}
+                    for _ in range(args.rounds):
+                        for o, f in fns.items():
+                            rounds[o].append(timed(f, 20, 25, m))
+                    res[key] = dict(rounds, floor_us=floor)
+                    print(key, res[key], flush=True)
             del qs
 
 
@@ -187,6 +255,11 @@ def main(argv=None):
                    help="wo_mma.cu files to time against this checkout's")
     p.add_argument("--ab-m", type=int, nargs="+", default=[12, 16, 32, 64, 96, 128])
     p.add_argument("--ab-formats", nargs="+", default=["int4 g128", "nvfp4"])
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--stream-m", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--stream-formats", nargs="+", default=["int4 g128", "nvfp4"])
+    p.add_argument("--stream-variants", default=None,
+                   help="JSON list of wo_mma keyword dicts ({} the op's launch; default STREAM_VARIANTS)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--shapes", nargs="+", default=["8192x8192", "28672x8192"])
     p.add_argument("--m", type=int, nargs="+", default=[128, 136, 192, 256, 384, 512, 768, 1024])
@@ -199,7 +272,7 @@ def main(argv=None):
     g = torch.Generator(device="cuda").manual_seed(0)
     res, t0 = {"device": torch.cuda.get_device_name()}, time.time()
     for flag, fn in ((args.blocks, blocks), (args.op_vs_direct, op_vs_direct), (args.ws_sweep, ws_sweep),
-                     (args.ab, ab)):
+                     (args.ab, ab), (args.stream, stream)):
         if flag:
             fn(args, g, res)
             res["seconds"] = round(time.time() - t0, 1)

@@ -3,21 +3,9 @@ on made-up timings; the timings themselves need a GPU)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_shapes
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return bench_shapes
+from .bench_util import benchmark
 
 
 def _row(wbytes: int, us: dict, floor: dict) -> dict:
@@ -25,7 +13,7 @@ def _row(wbytes: int, us: dict, floor: dict) -> dict:
 
 
 def test_report_checks_and_summary():
-    bench = _bench()
+    bench = benchmark("bench_shapes")
     big, small = 32 << 20, 4 << 20
     results = {
         "6144x4096": {  # a big layer: held to the floor target
@@ -52,11 +40,7 @@ def test_report_checks_and_summary():
 def test_tune_wo_refuses_token_counts_that_are_not_buckets(capsys):
     """tune_wo.py --moe keys an entry by T's bucket: a T that is not a bucket, or above the last, is refused before
     anything is measured (a T above the last bucket has no key)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import tune_wo
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    tune_wo = benchmark("tune_wo")
     for tokens in (["3"], ["32768"]):
         with pytest.raises(SystemExit):
             tune_wo.main(["--moe", "qwen3-30b-a3b", "--tokens", *tokens])

@@ -1,0 +1,39 @@
+"""benchmarks/diag_wo.py's --stream copy of the kernel source: it applies to this checkout's wo_mma.cu (a change to
+the main loop that drops its anchor fails here, not on the GPU), it exits with its own message where it does not,
+and (where nvcc is installed) the copy compiles for sm_90."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import replace
+
+import pytest
+
+from qcompile.kernels import wo_mma, wo_policy
+
+from .bench_util import benchmark
+from .kernels.test_wo_policy import FakeGpu
+
+
+def test_stream_source_replaces_the_decode_once():
+    diag = benchmark("diag_wo")
+    text = wo_mma.SOURCE.read_text()
+    out = diag.stream_source(text)
+    assert out.count(diag.STREAM_ONLY + diag.STREAM_ANCHOR) == 1
+    assert len(out) == len(text) + len(diag.STREAM_ONLY)
+    with pytest.raises(SystemExit, match="STREAM_ANCHOR"):
+        diag.stream_source(text.replace(diag.STREAM_ANCHOR, ""))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_stream_source_compiles(tmp_path):
+    """The stream-only copy of an int4 g128 M = 1 launch (tiled weights, sm_90) compiles."""
+    diag = benchmark("diag_wo")
+    spec = replace(diag.FORMATS["int4 g128"], tiled=True)
+    cfg = wo_policy.choose(FakeGpu((9, 0), 132), wo_policy.Call(spec, 1, 4096, 4096), True, kw=2).cfg
+    src = tmp_path / "stream.cu"
+    src.write_text(wo_mma.defines(cfg) + diag.stream_source(wo_mma.SOURCE.read_text()))
+    run = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-std=c++17", "-o", str(tmp_path / "s.cubin"), str(src)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
