@@ -416,9 +416,25 @@ def run_choice(choice: wo_tune.Choice, x2, weight, scale, gs, zp, g_idx, bias, s
     return _mma_policy(x2, weight, scale, gs, zp, g_idx, bias, spec)
 
 
+def weight_copies(args: tuple) -> list[tuple]:
+    """``args`` (a call's x2, weight, scale, global scale, zero point, g_idx, bias, spec) and copies of it with
+    their own weight, scale and zero-point tensors (:func:`wo_tune.copies_for`), for graph-timed tuning; fewer
+    where the device runs out of memory for them."""
+    x2, weight, scale, gs, zp, g_idx, bias, spec = args
+    nbytes = sum(t.numel() * t.element_size() for t in (weight, scale, zp) if t is not None)
+    out = [args]
+    try:
+        for _ in range(wo_tune.copies_for(nbytes) - 1):
+            out.append((x2, weight.clone(), scale.clone(), gs, None if zp is None else zp.clone(), g_idx, bias, spec))
+    except torch.OutOfMemoryError:
+        pass
+    return out
+
+
 def tune_call(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec, reps: int = 20,
               keep: bool = True) -> dict:
-    """µs of every candidate route of this call (:func:`wo_tune.candidates`); with ``keep`` the fastest is
+    """µs of every candidate route of this call (:func:`wo_tune.candidates`), per call in a CUDA graph cycling
+    through copies of its weights (:func:`weight_copies`, :func:`wo_tune.measure`); with ``keep`` the fastest is
     added to the on-disk cache under the call's M bucket."""
     args = (x2, weight, scale, gs, zp, g_idx, bias, spec)
     m, n, k = x2.shape[0], weight.shape[0], x2.shape[1]
@@ -426,7 +442,10 @@ def tune_call(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec, reps: in
     triton_ok = use_triton(x2) and triton_shape_reason(spec, n, k) is None
     cands = wo_tune.candidates(spec, m, mma_ok, triton_ok, wo_mma.capability(x2.device),
                                lambda **kw: wo_mma.decide(x2, weight, gs, zp, bias, spec, **kw))
-    times = wo_tune.measure(cands, lambda c: run_choice(c, *args), reps)
+    copies = weight_copies(args)
+    runs = [lambda c, a=a: run_choice(c, *a) for a in copies]
+    times = wo_tune.measure(cands, runs if len(runs) > 1 else runs[0], reps)  # (one: timed with L2 flushed)
+    del copies, runs
     choice = wo_tune.best(times)
     key = wo_tune.key_of(spec, x2.dtype, n, k, m)
     if keep and key is not None:

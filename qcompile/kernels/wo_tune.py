@@ -16,6 +16,7 @@ a CUDA graph is captured, under torch.compile's tracing or on fake tensors (the 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import re
@@ -267,12 +268,34 @@ def _failures() -> tuple:
     return RuntimeError, ValueError, TritonError
 
 
+# Per-call timing in a CUDA graph (:func:`measure` with weight copies): calls per graph, and the copies' bytes together
+COPY_BYTES = 256 << 20  # well over any L2, so that no call finds its weights there
+MAX_COPIES = 16
+GRAPH_CALLS = 20
+
+
+def copies_for(nbytes: int) -> int:
+    """Copies of a call's weights (``nbytes`` each) that a graph-timed :func:`measure` cycles through: together
+    over :data:`COPY_BYTES`, at least 2, at most :data:`MAX_COPIES`."""
+    return max(2, min(MAX_COPIES, -(-COPY_BYTES // max(nbytes, 1))))
+
+
 def measure(choices: list[Choice], run, reps: int = 20) -> dict[Choice, float]:
-    """µs of each choice (``run(choice)`` runs the op that way); a choice that fails is left out."""
+    """µs of each choice; a choice that fails is left out. ``run(choice)`` runs the op that way: each choice is
+    timed one call at a time with L2 flushed (:func:`timer`). ``run`` a list of such callables, one per copy of the
+    call's weights (:func:`copies_for`): per call in a CUDA graph of :data:`GRAPH_CALLS` back-to-back calls cycling
+    through the copies, as a decode step runs the op (each call's start overlapping the previous one's end under
+    programmatic dependent launch, its weights coming from memory)."""
+    from ..bench import graph_time_us
+
     out = {}
     for c in choices:
         try:
-            out[c] = timer(lambda c=c: run(c), reps)
+            if isinstance(run, list):
+                it = itertools.cycle(run)
+                out[c] = graph_time_us(lambda c=c: next(it)(c), GRAPH_CALLS, max(reps // 2, 3))
+            else:
+                out[c] = timer(lambda c=c: run(c), reps)
         except _failures():
             torch.cuda.synchronize()
     return out

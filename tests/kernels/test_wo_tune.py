@@ -154,6 +154,46 @@ def test_candidates():
     assert wo_tune.candidates(SPEC, 300, True, False, (9, 0), decide) == [Choice("policy"), Choice("dequant")]
 
 
+def test_graph_timed_measure_cycles_the_weight_copies(monkeypatch):
+    """A list of runs (one per weight copy) is timed per call in a CUDA graph whose calls go through the copies in
+    turn; a single run with the L2-flushed timer; a choice that fails is left out. Copies: enough for 256 MB, 2..16."""
+    import qcompile.bench as bench
+
+    calls = []
+
+    def graph_time_us(fn, calls_per_graph, replays):
+        for _ in range(calls_per_graph):
+            fn()
+        return 10.0
+
+    def run(c, i):
+        calls.append((c.route, i))
+        if c.route == "triton":
+            raise ValueError("no such build")
+
+    monkeypatch.setattr(bench, "graph_time_us", graph_time_us)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    runs = [lambda c, i=i: run(c, i) for i in range(3)]
+    times = wo_tune.measure([Choice("policy"), Choice("triton"), Choice("dequant")], runs)
+    assert times == {Choice("policy"): 10.0, Choice("dequant"): 10.0}
+    assert [i for r, i in calls if r == "policy"] == [0, 1, 2] * 6 + [0, 1]
+    monkeypatch.setattr(wo_tune, "timer", lambda fn, reps=20: 5.0)
+    assert wo_tune.measure([Choice("policy")], lambda c: None) == {Choice("policy"): 5.0}
+    assert [wo_tune.copies_for(b) for b in (1 << 30, 128 << 20, 100 << 20, 1 << 20, 0)] == [2, 2, 3, 16, 16]
+
+
+def test_weight_copies_clone_the_weight_tensors():
+    """Tuning's copies of a call: their own weight, scale and zero point; x, global scale, g_idx and bias shared."""
+    w, s, z = torch.zeros(64, 8, dtype=torch.int32), torch.ones(64, 1), torch.zeros(64, 1, dtype=torch.int8)
+    x, gs = torch.zeros(1, 64), torch.ones(())
+    args = (x, w, s, gs, z, None, None, SPEC)
+    copies = wo_gemm.weight_copies(args)
+    assert copies[0] is args and len(copies) == wo_tune.copies_for(w.nbytes + s.nbytes + z.nbytes) == 16
+    for c in copies[1:]:
+        assert c[0] is x and c[3] is gs and c[7] is SPEC
+        assert all(a.data_ptr() != b.data_ptr() and torch.equal(a, b) for a, b in ((c[1], w), (c[2], s), (c[4], z)))
+
+
 def test_tuned_entry_changes_the_route(tables, monkeypatch):
     """With a mocked timer the fastest route wins (the policy on a tie within 1 %), is kept in the cache, and
     the op's mma backend then runs the call that way."""
