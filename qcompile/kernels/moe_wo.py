@@ -384,19 +384,34 @@ def _with(choice: wo_tune.Choice, gemm: str | None, field: str, value) -> wo_tun
     return wo_tune.Choice(choice.route, launch)
 
 
+def relabeled(ids: torch.Tensor, experts: int, count: int) -> list[torch.Tensor]:
+    """``ids`` and ``count - 1`` copies of it with the experts renamed, each by its own seeded permutation: every
+    expert's pairs stay together, other experts' weights are read. Ids outside [0, ``experts``) stay as they are."""
+    g = torch.Generator().manual_seed(0)
+    inside = (ids >= 0) & (ids < experts)
+    safe = ids.clamp(0, experts - 1).long()
+    return [ids] + [torch.where(inside, torch.randperm(experts, generator=g).to(ids.device)[safe].to(ids.dtype), ids)
+                    for _ in range(count - 1)]
+
+
 def tune_call(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, spec, on_input: bool, i: int,
               reps: int = 20, keep: bool = True) -> dict:
     """µs of this call's candidate launches: the rule, dequantize + ``_grouped_mm``, and by coordinate descent from the
     rule's launches wo_mma's grouped build (where it has a launch: block_m, then each GEMM's :data:`MMA_AXES`, then
     whether GEMM 1 fuses the activation) and the Triton kernel (BLOCK_M of both GEMMs, then each GEMM's
-    :data:`TUNE_AXES`), one axis at a time. With ``keep`` the fastest goes into wo_tune's on-disk cache under the
-    call's T bucket."""
+    :data:`TUNE_AXES`), one axis at a time; each per call in a CUDA graph whose calls cycle through routings of the
+    call's pairs onto other experts (:func:`relabeled`, as many as :func:`wo_tune.copies_for` the experts' bytes:
+    their weights come from memory, as in a decode step). With ``keep`` the fastest goes into wo_tune's on-disk cache
+    under the call's T bucket."""
     epw = layout_of(spec.weight).epw
     pairs, e, n1, h = ids.numel(), w13[0].shape[0], w13[0].shape[1], x.shape[1]
     rule_mma = mma_rule(x, pairs, e)
 
-    def run(c):
-        return wo_moe_triton(x, ids, weights, w13, w2, b13, b2, activation, spec, on_input, *_route(c, rule_mma))
+    expert_bytes = sum(t.numel() * t.element_size() for ws in (w13, w2) for t in ws if t is not None) / e
+    active = int(torch.unique(ids[(ids >= 0) & (ids < e)]).numel())
+    run = [lambda c, r=r: wo_moe_triton(x, r, weights, w13, w2, b13, b2, activation, spec, on_input,
+                                        *_route(c, rule_mma))
+           for r in relabeled(ids, e, wo_tune.copies_for(int(active * expert_bytes)))]
 
     triton_start = wo_tune.Choice("triton", {"gemm1": grouped_config(pairs, e, n1, h, spec.weight, x.device),
                                              "gemm2": grouped_config(pairs, e, h, i, spec.weight, x.device)})

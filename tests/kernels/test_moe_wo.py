@@ -374,7 +374,8 @@ def test_tune_call_descends_and_stores(on_gpu_tables, monkeypatch):
         return (10.0 + (g1["BLOCK_M"] != 32) + (g1["SPLIT_K"] != 4) + (g2["BLOCK_N"] != 32)
                 + 0.01 * g1["num_stages"])
 
-    def fake_measure(choices, run, reps=20):
+    def fake_measure(choices, run, reps=20):  # (graph-timed: one run per routing of the call's pairs)
+        assert isinstance(run, list) and 2 <= len(run) <= wo_tune.MAX_COPIES
         timed.extend(choices)
         return {c: cost(c) for c in choices}
 
@@ -393,6 +394,21 @@ def test_tune_call_descends_and_stores(on_gpu_tables, monkeypatch):
     assert mw.plan(*args) == ((g1, g2), mw.NO_DEQUANT, None) and len(timed) == n  # from the cache now
     stored = json.loads((wo_tune.cache_dir() / wo_tune.file_name(GPU_NAME)).read_text())["entries"]
     assert list(stored) == [mw._key(args[0], args[1], args[3], args[8], 128)]
+
+
+def test_relabeled_routings_keep_each_experts_pairs():
+    """Tuning's routings of a call: the call's ids first, then the same pairs with the experts renamed by a seeded
+    permutation each (every expert's pairs together, as many per expert), ids outside [0, E) left alone."""
+    ids = torch.tensor([[3, 1], [3, 9], [-1, 0]], dtype=torch.int64)
+    out = mw.relabeled(ids, 8, 5)
+    assert len(out) == 5 and out[0] is ids
+    assert torch.equal(out[1], mw.relabeled(ids, 8, 2)[1])  # seeded
+    assert any(not torch.equal(o, ids) for o in out[1:])
+    for o in out[1:]:
+        assert o.dtype == ids.dtype and o[1, 1] == 9 and o[2, 0] == -1
+        inside = (ids >= 0) & (ids < 8)
+        assert o[0, 0] == o[1, 0] and len({o[0, 0].item(), o[0, 1].item(), o[2, 1].item()}) == 3
+        assert ((o >= 0) & (o < 8)).eq(inside).all()
 
 
 def test_mma_rule_by_rows_per_active_expert(monkeypatch):
