@@ -282,10 +282,11 @@ def copies_for(nbytes: int) -> int:
 
 def measure(choices: list[Choice], run, reps: int = 20) -> dict[Choice, float]:
     """µs of each choice; a choice that fails is left out. ``run(choice)`` runs the op that way: each choice is
-    timed one call at a time with L2 flushed (:func:`timer`). ``run`` a list of such callables, one per copy of the
-    call's weights (:func:`copies_for`): per call in a CUDA graph of :data:`GRAPH_CALLS` back-to-back calls cycling
-    through the copies, as a decode step runs the op (each call's start overlapping the previous one's end under
-    programmatic dependent launch, its weights coming from memory)."""
+    timed one call at a time with L2 flushed (:func:`timer`). ``run`` a list of such callables, each reading other
+    weights (a copy of the call's weights, or the MoE call's pairs routed to other experts; :func:`copies_for`): per
+    call in a CUDA graph of :data:`GRAPH_CALLS` back-to-back calls cycling through them, as a decode step runs the op
+    (each call's start overlapping the previous one's end under programmatic dependent launch, its weights coming
+    from memory)."""
     from ..bench import graph_time_us
 
     out = {}
