@@ -346,7 +346,7 @@ def bench_wo_shape(name: str, shape, tokens, replays: int, bw: float, device: st
                      for t in tokens for label in labels]
             continue
         spec, w13, w2 = wo_layer(spec, e, h, i, device, 10 * n, tiled)
-        expert_bytes = sum(v.numel() * v.element_size() for ws in (w13, w2) for v in ws if v is not None) / e
+        expert_bytes = mw.expert_bytes(w13, w2)
         paths = {row: None} | forced
         for t in tokens:
             routes, used = routings(t, e, h, k, device, rotate)

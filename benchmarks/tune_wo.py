@@ -74,14 +74,14 @@ def tune_moe(name: str, fmt: str, tokens, bw: float, reps: int) -> dict[str, dic
     spec = moe_wo.parse_scheme_key(bench_moe.OURS_WO[fmt])
     spec, w13, w2 = bench_moe.as_loaded(spec, *(bench_moe.wo_expert_weights(spec.weight, e, n, kk, "cuda", j)
                                                 for j, (n, kk) in enumerate(((2 * i, h), (h, i)))), h, i)
-    expert_bytes = sum(v.numel() * v.element_size() for ws in (w13, w2) for v in ws if v is not None) / e
+    per_expert = moe_wo.expert_bytes(w13, w2)
     entries = {}
     for t in tokens:
         x, ids, weights, used = bench_moe.routed_tokens(t, e, h, k, "cuda")
         times = moe_wo.tune_call(x, ids, weights, w13, w2, None, None, "silu", spec, False, i, reps, keep=False)
         choice = wo_tune.best(times)
         policy = times[wo_tune.Choice("policy")]
-        floor = used * expert_bytes / bw * 1e6
+        floor = used * per_expert / bw * 1e6
         entries[moe_wo._key(x, ids, w13, spec, i)] = {**choice.to_json(), "us": round(times[choice], 2),
                                                       "policy_us": round(policy, 2)}
         print(f"{name} {fmt} T={t:<5} rule {policy:8.1f} µs ({100 * floor / policy:5.1f} % of floor)   chosen "

@@ -384,6 +384,12 @@ def _with(choice: wo_tune.Choice, gemm: str | None, field: str, value) -> wo_tun
     return wo_tune.Choice(choice.route, launch)
 
 
+def expert_bytes(w13: tuple, w2: tuple) -> float:
+    """Stored bytes of one expert (both projections' tensors as the op takes them: codes, scales, zero points, g_idx),
+    the mean over the stacked experts."""
+    return sum(t.numel() * t.element_size() for ws in (w13, w2) for t in ws if t is not None) / w13[0].shape[0]
+
+
 def relabeled(ids: torch.Tensor, experts: int, count: int) -> list[torch.Tensor]:
     """``ids`` and ``count - 1`` copies of it with the experts renamed, each by its own seeded permutation: every
     expert's pairs stay together, other experts' weights are read. Ids outside [0, ``experts``) stay as they are."""
@@ -407,11 +413,10 @@ def tune_call(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, 
     pairs, e, n1, h = ids.numel(), w13[0].shape[0], w13[0].shape[1], x.shape[1]
     rule_mma = mma_rule(x, pairs, e)
 
-    expert_bytes = sum(t.numel() * t.element_size() for ws in (w13, w2) for t in ws if t is not None) / e
     active = int(torch.unique(ids[(ids >= 0) & (ids < e)]).numel())
     run = [lambda c, r=r: wo_moe_triton(x, r, weights, w13, w2, b13, b2, activation, spec, on_input,
                                         *_route(c, rule_mma))
-           for r in relabeled(ids, e, wo_tune.copies_for(int(active * expert_bytes)))]
+           for r in relabeled(ids, e, wo_tune.copies_for(int(active * expert_bytes(w13, w2))))]
 
     triton_start = wo_tune.Choice("triton", {"gemm1": grouped_config(pairs, e, n1, h, spec.weight, x.device),
                                              "gemm2": grouped_config(pairs, e, h, i, spec.weight, x.device)})

@@ -276,7 +276,8 @@ GRAPH_CALLS = 20
 
 def copies_for(nbytes: int) -> int:
     """Copies of a call's weights (``nbytes`` each) that a graph-timed :func:`measure` cycles through: together
-    over :data:`COPY_BYTES`, at least 2, at most :data:`MAX_COPIES`."""
+    over :data:`COPY_BYTES`, at least 2, at most :data:`MAX_COPIES` (so weights under about 4 MB, whose 16 copies
+    an H100's or H200's L2 holds most of, are timed partly from L2)."""
     return max(2, min(MAX_COPIES, -(-COPY_BYTES // max(nbytes, 1))))
 
 
