@@ -2,7 +2,8 @@
 that ships with the package (qcompile/kernels/tuned/<GPU name>.json).
 
 For each format x (N, K) x M: every candidate route of wo_tune.candidates on a tiled weight (the layout
-the kernel gets after loading), timed with the L2 cache flushed; the winner goes into the table. Printed per
+the kernel gets after loading), timed per call in a CUDA graph of back-to-back calls on copies of the weight
+(wo_tune.measure, as a decode step runs the op); the winner goes into the table. Printed per
 row: the policy's and the chosen route's µs and each as % of the weight-read floor (weight bytes over the
 copy bandwidth measured at the start of the run).
 
@@ -95,7 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), help="N x K (default: %(default)s)")
     p.add_argument("--m", nargs="+", type=int, default=list(wo_tune.M_BUCKETS), help="M of each bucket")
-    p.add_argument("--reps", type=int, default=20, help="timed calls per candidate (median)")
+    p.add_argument("--reps", type=int, default=20,
+                   help="per candidate: graph replays = reps / 2 (at least 3), their median (wo_tune.measure)")
     p.add_argument("--out", type=Path, default=wo_tune.SHIPPED, help="folder of the tables (default: %(default)s)")
     p.add_argument("--moe", nargs="+", default=None, metavar="SHAPE",
                    help="tune qcompile::wo_moe on these expert shapes of bench_moe.py instead")

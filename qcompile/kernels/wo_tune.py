@@ -287,7 +287,7 @@ def measure(choices: list[Choice], run, reps: int = 20) -> dict[Choice, float]:
     weights (a copy of the call's weights, or the MoE call's pairs routed to other experts; :func:`copies_for`): per
     call in a CUDA graph of :data:`GRAPH_CALLS` back-to-back calls cycling through them, as a decode step runs the op
     (each call's start overlapping the previous one's end under programmatic dependent launch, its weights coming
-    from memory)."""
+    from memory), the median of ``reps // 2`` (at least 3) replays."""
     from ..bench import graph_time_us
 
     out = {}
