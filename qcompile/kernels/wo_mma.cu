@@ -140,6 +140,13 @@ typedef unsigned short u16;
 #error "GACT: the grouped build with an even number of tile groups (half gate, half up tiles)"
 #endif
 #define BITS ((FMT == FMT_INT4 || FMT == FMT_E2M1) ? 4 : 8)
+// NVFP4 (e2m1 codes, e4m3 group scales) with bf16 x: a code decodes to its value times 2^-126 (sign, exponent and
+// mantissa bits moved into place) and is not multiplied back; its group scale carries 2^118 and the epilogue the
+// remaining 2^8. Exact: powers of two, every decoded weight v * s * 2^-8 a normal bf16 (2^-18 <= |v s| 2^-8 <= 10.5)
+// and every scale s * 2^118 below bf16's largest. (fp16 x has too little range for it; e8m0 scales too much.)
+#define E2M1_FOLD (FMT == FMT_E2M1 && SK == SK_E4M3 && SMODE == SMODE_PRE && !XF16)
+#define FOLD_SCALE (E2M1_FOLD ? 0x1p118f : 1.f)  // into the group scales
+#define FOLD_OUT (E2M1_FOLD ? 0x1p8f : 1.f)      // into the epilogue's global scale
 #define KPC (BITS == 4 ? 128 : 64)  // k per chunk (per row)
 #define KPL (KPC / 4)               // k per lane per chunk
 #define UNITS (KPL / 8)             // 16-byte x units per lane per chunk
@@ -321,7 +328,9 @@ __device__ __forceinline__ u32 decode(u32 w, u32 zz, u32 sc, float zf, float sf)
   t = fma2(t, 0x74007400u, H2_NEG0);                                 // * 2^14: exact
 #else
   u32 t = lop3<LUT_AND_OR>(y, 0x80008000u, (y >> 6) & 0x01C001C0u);  // sign | e,m -> bf16 = v * 2^-126
-  t = fma2(t, 0x7E807E80u, H2_NEG0);                                 // * 2^126: exact
+#if !E2M1_FOLD
+  t = fma2(t, 0x7E807E80u, H2_NEG0);  // * 2^126: exact
+#endif
 #endif
   return fma2(t, sc, H2_NEG0);                                       // * scale: exact for fp8/e8m0
 #elif FMT == FMT_E4M3
@@ -570,8 +579,8 @@ __device__ __forceinline__ void decode_chunk(const U4& A, const U4& B, const Chu
 #endif
   const float zfa = 8388608.f + 128.f + za, zfb = 8388608.f + 128.f + zb;
 #if SMODE == SMODE_PRE
-  const u32 pa0 = pack2(sa0, sa0), pb0 = pack2(sb0, sb0);
-  const u32 pa1 = pack2(sa1, sa1), pb1 = pack2(sb1, sb1);
+  const u32 pa0 = pack2(sa0 * FOLD_SCALE, sa0 * FOLD_SCALE), pb0 = pack2(sb0 * FOLD_SCALE, sb0 * FOLD_SCALE);
+  const u32 pa1 = pack2(sa1 * FOLD_SCALE, sa1 * FOLD_SCALE), pb1 = pack2(sb1 * FOLD_SCALE, sb1 * FOLD_SCALE);
 #else
   const u32 pa0 = 0, pb0 = 0, pa1 = 0, pb1 = 0;
 #endif
@@ -669,7 +678,7 @@ __device__ __forceinline__ void store_act(float (&acc)[RT * MT][4], bool active,
                                           unsigned char* xs, const int* gpair, int pairs, float alpha, float limit) {
   constexpr int NR = TPC * 16, HR = NR / 2;  // output rows of a CTA, gate rows of a CTA
   const int I = N / 2;
-  const float g = HAS_GS ? gs[0] : 1.f;
+  const float g = (HAS_GS ? gs[0] : 1.f) * FOLD_OUT;
   float* red = (float*)xs;  // [M][NR] fp32, over x once every warp is past it
   __syncthreads();
   acc_to_shared(acc, active, tile, M, red);
@@ -726,7 +735,7 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
                                           const int* gpair, int pairs, const void* __restrict__ route,
                                           int rh) {
   const int lane = threadIdx.x & 31, r = lane >> 2, q = lane & 3;
-  const float g = HAS_GS ? gs[0] : 1.f;
+  const float g = (HAS_GS ? gs[0] : 1.f) * FOLD_OUT;
 
   if (gridDim.y == 1) {
     if (active) {
