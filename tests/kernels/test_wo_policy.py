@@ -419,3 +419,24 @@ def test_grouped_launch_fused_epilogues(name):
         assert fused.smem >= 8 * fused.cfg.tiles * 16 * 4 and fused.smem >= plain.smem
     assert wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, 1536, 2048), 8, True, warps=4, kw=4, gact=1) is None
     assert wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, 1552, 2048), 8, True, gact=1) is None
+
+
+@pytest.mark.parametrize("n, k, m", [(6144, 4096, 8), (4608, 3584, 4), (5120, 3072, 1)])
+def test_x_streamed_in_place_of_a_global_split(n, k, m, monkeypatch):
+    """On sm_90, where neither two tiles per warp nor tile sharing fits and the mma.sync plan would reduce its split
+    through global memory, the policy streams x instead (no split); other GPUs keep the split."""
+    spec = replace(SPECS["int4_g128"], tiled=True)
+    call = wo_policy.Call(spec, m, n, k)
+    for cap, sms in (((9, 0), 132), ((8, 0), 108)):
+        gpu = FakeGpu(cap, sms)
+        monkeypatch.setattr(wo_policy, "XS_FOR_GLOBAL_SPLIT", False)
+        wo_policy._DEFAULTS.clear()
+        split = wo_policy.choose(gpu, call, cap[0] == 9)
+        monkeypatch.setattr(wo_policy, "XS_FOR_GLOBAL_SPLIT", True)
+        wo_policy._DEFAULTS.clear()
+        chosen = wo_policy.choose(gpu, call, cap[0] == 9)
+        assert split.split > 1 and split.cfg.cluster == 1 and not split.cfg.xs
+        if cap[0] == 9:
+            assert chosen.cfg.xs and chosen.split == 1 and chosen.cfg.rt == 2, chosen
+        else:
+            assert chosen == split
