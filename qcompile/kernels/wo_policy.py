@@ -72,7 +72,9 @@ RT_WIDE_MIN_M = 6  # at one token tile, wide weights take it from here
 XS_SLOTS = 3
 XS_MIN_M = 5
 XS_MAX_M = 16  # (x streamed: up to two token tiles)
-XS_FOR_GLOBAL_SPLIT = True  # where no tile sharing fits, x streamed rather than a split reduced in global memory
+# Where no tile sharing fits, x streamed rather than a split reduced in global memory, from this M by format
+# (FMT code; XS_MIN_M for the others): below it the streamed launch's handshake costs more than the reduction.
+XS_GLOBAL_MIN_M = {0: 3, 4: 8}
 XS_MIN_FILL = 0.8  # ... where its first candidate fills this share of the SMs
 XS_MIN_CHUNKS = 8  # int4 at two token tiles: where each warp streams this many chunks (the ring's handshake)
 
@@ -514,9 +516,10 @@ def default_launch(gpu: Gpu, base: MmaConfig, m: int, n: int, k: int, split: int
     (``base``: :data:`MMA_WARPS` warps, kw = 1), refined on sm_90: x streamed where ``base.xs``
     (:func:`xs_launch`); with ``rt`` (:func:`rt_default`) two tiles per warp (:func:`rt_launch`) where a
     candidate's clusters fit; otherwise warps sharing tiles (:func:`tile_sharing`) in place of a split reduced
-    through global memory, or from :data:`KW_CLUSTER_MIN_M` in a cluster, and where no tile sharing fits, x
-    streamed (:func:`xs_launch`, no split) in place of the global reduction; the shared-tile launches and the
-    remaining cluster plans compiled for the CTAs per SM they plan (:data:`REG_CAP_MAX_MT`)."""
+    through global memory, or from :data:`KW_CLUSTER_MIN_M` in a cluster, and where no tile sharing fits, from
+    :data:`XS_GLOBAL_MIN_M` x streamed (:func:`xs_launch`, no split) in place of the global reduction; the
+    shared-tile launches and the remaining cluster plans compiled for the CTAs per SM they plan
+    (:data:`REG_CAP_MAX_MT`)."""
     key = (gpu, base, m, n, k, split, warps_per_sm, smem_budget, max_cluster, rt)
     if key not in _DEFAULTS:
         _DEFAULTS[key] = _default_launch(gpu, base, (m, n, k, split, warps_per_sm, smem_budget, max_cluster), rt)
@@ -541,8 +544,8 @@ def _default_launch(gpu: Gpu, base: MmaConfig, plan_args: tuple, rt: bool) -> Mm
         if kw > 1:
             shared = replace(base, warps=warps, kw=kw, minb=warps_per_sm // warps if cap_regs else base.minb)
             return launch_plan(gpu, shared, m, n, k, kw_split, warps_per_sm, smem_budget, max_cluster)
-    if XS_FOR_GLOBAL_SPLIT and chosen.split > 1 and chosen.cfg.cluster == 1 and gpu.capability[0] == 9 \
-            and m <= XS_MAX_M:
+    if chosen.split > 1 and chosen.cfg.cluster == 1 and gpu.capability[0] == 9 \
+            and XS_GLOBAL_MIN_M.get(base.fmt, XS_MIN_M) <= m <= XS_MAX_M:
         streamed = xs_launch(gpu, base, m, n, k)  # (no split: x streamed in place of the global reduction)
         if streamed is not None:
             return streamed
