@@ -71,6 +71,10 @@ RT_WIDE_MIN_M = 6  # at one token tile, wide weights take it from here
 # x streamed (xs): a ring of XS_SLOTS chunks per K part, so the two-tile launch needs no split at any M.
 XS_SLOTS = 3
 XS_MIN_M = 5
+XS_MAX_M = 16  # (x streamed: up to two token tiles)
+# Where no tile sharing fits, x streamed rather than a split reduced in global memory, from this M by format
+# (FMT code; XS_MIN_M for the others): below it the streamed launch's handshake costs more than the reduction.
+XS_GLOBAL_MIN_M = {0: 3, 4: 8}
 XS_MIN_FILL = 0.8  # ... where its first candidate fills this share of the SMs
 XS_MIN_CHUNKS = 8  # int4 at two token tiles: where each warp streams this many chunks (the ring's handshake)
 
@@ -381,7 +385,7 @@ def xs_default(spec: WeightSpec, m: int, n: int, k: int, capability: tuple[int, 
     where the first candidate fills the GPU (XS_MIN_FILL), at one token tile or for 8-bit weights, int4
     where each warp streams enough chunks (XS_MIN_CHUNKS); int4 on natural-order tiles (x by TMA) at two
     token tiles wherever there is a candidate. e2m1 at two token tiles stays staged."""
-    if capability[0] != 9 or not spec.tiled or not XS_MIN_M <= m <= 16:
+    if capability[0] != 9 or not spec.tiled or not XS_MIN_M <= m <= XS_MAX_M:
         return False
     bits, xnat = spec.dtype.bits, quant_math.tiles_natural(spec)
     cands = rt_candidates(m, n, k, bits, sms, xs=True, xnat=xnat)
@@ -512,8 +516,10 @@ def default_launch(gpu: Gpu, base: MmaConfig, m: int, n: int, k: int, split: int
     (``base``: :data:`MMA_WARPS` warps, kw = 1), refined on sm_90: x streamed where ``base.xs``
     (:func:`xs_launch`); with ``rt`` (:func:`rt_default`) two tiles per warp (:func:`rt_launch`) where a
     candidate's clusters fit; otherwise warps sharing tiles (:func:`tile_sharing`) in place of a split reduced
-    through global memory, or from :data:`KW_CLUSTER_MIN_M` in a cluster; the shared-tile launches and the
-    remaining cluster plans compiled for the CTAs per SM they plan (:data:`REG_CAP_MAX_MT`)."""
+    through global memory, or from :data:`KW_CLUSTER_MIN_M` in a cluster, and where no tile sharing fits, from
+    :data:`XS_GLOBAL_MIN_M` x streamed (:func:`xs_launch`, no split) in place of the global reduction; the
+    shared-tile launches and the remaining cluster plans compiled for the CTAs per SM they plan
+    (:data:`REG_CAP_MAX_MT`)."""
     key = (gpu, base, m, n, k, split, warps_per_sm, smem_budget, max_cluster, rt)
     if key not in _DEFAULTS:
         _DEFAULTS[key] = _default_launch(gpu, base, (m, n, k, split, warps_per_sm, smem_budget, max_cluster), rt)
@@ -538,6 +544,11 @@ def _default_launch(gpu: Gpu, base: MmaConfig, plan_args: tuple, rt: bool) -> Mm
         if kw > 1:
             shared = replace(base, warps=warps, kw=kw, minb=warps_per_sm // warps if cap_regs else base.minb)
             return launch_plan(gpu, shared, m, n, k, kw_split, warps_per_sm, smem_budget, max_cluster)
+    if chosen.split > 1 and chosen.cfg.cluster == 1 and gpu.capability[0] == 9 \
+            and XS_GLOBAL_MIN_M.get(base.fmt, XS_MIN_M) <= m <= XS_MAX_M:
+        streamed = xs_launch(gpu, base, m, n, k)  # (no split: x streamed in place of the global reduction)
+        if streamed is not None:
+            return streamed
     if cap_regs and chosen.cfg.cluster > 1:
         capped = launch_plan(gpu, replace(base, minb=warps_per_sm // base.warps), *plan_args)
         if capped.cfg.cluster > 1:

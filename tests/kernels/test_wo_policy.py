@@ -419,3 +419,29 @@ def test_grouped_launch_fused_epilogues(name):
         assert fused.smem >= 8 * fused.cfg.tiles * 16 * 4 and fused.smem >= plain.smem
     assert wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, 1536, 2048), 8, True, warps=4, kw=4, gact=1) is None
     assert wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 8, 1552, 2048), 8, True, gact=1) is None
+
+
+@pytest.mark.parametrize("name, n, k, m, streamed", [
+    ("int4_g128", 6144, 4096, 8, True), ("int4_g128", 4608, 3584, 4, True), ("int4_g128", 4608, 3584, 3, True),
+    ("int4_g128", 5120, 3072, 2, False), ("nvfp4", 4608, 3584, 5, True), ("nvfp4", 4608, 3584, 4, False),
+    ("mxfp8", 4608, 3584, 8, True), ("mxfp8", 4608, 3584, 6, False)])
+def test_x_streamed_in_place_of_a_global_split(name, n, k, m, streamed, monkeypatch):
+    """On sm_90, where neither two tiles per warp nor tile sharing fits and the mma.sync plan would reduce its split
+    through global memory, the policy streams x instead (no split) from the format's XS_GLOBAL_MIN_M; below it and on
+    other GPUs the split stays."""
+    spec = replace(SPECS[name], tiled=True)
+    call = wo_policy.Call(spec, m, n, k)
+    for cap, sms in (((9, 0), 132), ((8, 0), 108)):
+        gpu = FakeGpu(cap, sms)
+        monkeypatch.setattr(wo_policy, "XS_GLOBAL_MIN_M", {}, raising=True)
+        monkeypatch.setattr(wo_policy, "XS_MIN_M", 99)
+        wo_policy._DEFAULTS.clear()
+        split = wo_policy.choose(gpu, call, cap[0] == 9)
+        monkeypatch.undo()
+        wo_policy._DEFAULTS.clear()
+        chosen = wo_policy.choose(gpu, call, cap[0] == 9)
+        assert split.split > 1 and split.cfg.cluster == 1 and not split.cfg.xs, split
+        if cap[0] == 9 and streamed:
+            assert chosen.cfg.xs and chosen.split == 1 and chosen.cfg.rt == 2, chosen
+        else:
+            assert chosen == split
