@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import statistics
 import time
 
@@ -229,8 +230,10 @@ def generate_tok_s(model, compile_config, device: str, batch: int, prompt_len: i
     calls, with nothing added to generate's own loop: the time of a call making ``new_tokens`` tokens minus
     that of one making 1 (the prefill alone, which generate runs uncompiled), over the ``new_tokens - 1``
     decode steps between; the device synchronized before and after each call only. Calls of the two
-    lengths alternate, ``reps`` of each, medians. ``deferred``: whether generate deferred its stop check
-    (``qcompile.generation``: a model qcompile loaded, on CUDA)."""
+    lengths alternate, ``reps`` of each, medians; where the difference is not positive (timer noise above the
+    decode steps' time, as on a loaded CPU) more pairs, up to ``5 * reps`` (``pairs``: how many), else NaN.
+    ``deferred``: whether generate deferred its stop check (``qcompile.generation``: a model qcompile loaded,
+    on CUDA)."""
     from unittest import mock
 
     from transformers.generation import utils as generation_utils
@@ -253,11 +256,13 @@ def generate_tok_s(model, compile_config, device: str, batch: int, prompt_len: i
             call(new_tokens)
         deferred = init.called
     long, short = [], []
-    for _ in range(reps):
+    for i in range(5 * reps):  # past ``reps`` only while the timer's noise hides the decode steps
         long.append(call(new_tokens))
         short.append(call(1))
-    step = (statistics.median(long) - statistics.median(short)) / (new_tokens - 1)
-    return {"tok_s": batch / step, "ms_per_step": 1e3 * step, "deferred": deferred}
+        step = (statistics.median(long) - statistics.median(short)) / (new_tokens - 1)
+        if i + 1 >= reps and step > 0:
+            return {"tok_s": batch / step, "ms_per_step": 1e3 * step, "deferred": deferred, "pairs": i + 1}
+    return {"tok_s": math.nan, "ms_per_step": math.nan, "deferred": deferred, "pairs": len(long)}
 
 
 def compile_config(quantized: bool, cuda: bool, inner: str = "inductor", options: dict | None = None):
