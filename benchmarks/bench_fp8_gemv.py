@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_wo_linear import copies_for, timed  # noqa: E402
-from tune_wo import SHAPES, copy_bandwidth  # noqa: E402
+from e2e_models import copy_bandwidth  # noqa: E402
+from tune_wo import SHAPES  # noqa: E402
 
 from qcompile.kernels import fp8_gemv, wo_tune  # noqa: E402
 
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
         return 0
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth": bw,
            "command": " ".join(sys.argv), "results": []}
     print(f"{out['gpu']}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_wo_linear import FORMATS as WO_FORMATS, copies_for, op_fn, timed, weight_bytes, weight_copies  # noqa: E402
-from tune_wo import SHAPES, copy_bandwidth  # noqa: E402
+from e2e_models import copy_bandwidth  # noqa: E402
+from tune_wo import SHAPES  # noqa: E402
 
 from qcompile.kernels import fp8, quant_math  # noqa: E402,F401 - fp8 registers qcompile::fp8_linear
 from qcompile.scheme import Granularity, fp8_scheme  # noqa: E402
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     if "bf16" not in args.formats:
         args.formats.insert(0, "bf16")
     name = torch.cuda.get_device_name()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     out = {"gpu": name, "torch": torch.__version__, "copy_bandwidth": bw, "command": " ".join(sys.argv),
            "results": {}}
     g = torch.Generator(device="cuda").manual_seed(0)

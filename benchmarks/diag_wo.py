@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_wo_linear import FORMATS, copies_for, op_fn, timed, weight_bytes, weight_copies  # noqa: E402
-from tune_wo import copy_bandwidth  # noqa: E402
+from e2e_models import copy_bandwidth  # noqa: E402
 
 from qcompile.kernels import cuda_driver, quant_math, wo_mma, wo_policy  # noqa: E402
 
@@ -186,7 +186,7 @@ def stream(args, g, res):
     path = Path(tempfile.mkdtemp()) / "wo_mma_stream.cu"
     path.write_text(stream_source(wo_mma.SOURCE.read_text()))
     only = source_of(path)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     res["copy_GBps"] = round(bw / 1e9)
     variants = json.loads(args.stream_variants) if args.stream_variants else STREAM_VARIANTS
     for shape in args.shapes:

@@ -28,20 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_wo_linear import FORMATS, random_weights, weight_bytes  # noqa: E402
+from e2e_models import copy_bandwidth  # noqa: E402
 
 from qcompile.kernels import quant_math, wo_gemm, wo_tune  # noqa: E402
 
 # (N, K) of the linear layers of Llama-3.1-8B, Llama-3.1-70B at TP = 8, Qwen2.5-7B and Mistral-Nemo-12B
 SHAPES = ("6144x4096", "4096x4096", "28672x4096", "4096x14336", "1280x8192", "8192x1024", "7168x8192", "8192x3584",
           "4608x3584", "3584x3584", "37888x3584", "3584x18944", "5120x5120", "6144x5120")
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes per second of a device-to-device copy (read + write) of ``nbytes``."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = wo_tune.timer(lambda: b.copy_(a), reps=10)
-    return 2 * nbytes / (us * 1e-6)
 
 
 def tune_shape(spec, n: int, k: int, ms, g: torch.Generator, bw: float, reps: int) -> dict[str, dict]:
@@ -118,7 +111,7 @@ def main(argv=None) -> int:
     path = args.out / wo_tune.file_name(name)
     wo_tune.read_table(path)  # a file that is not a table stops the run before it measures anything
     written = 0
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     print(f"{name}: copy bandwidth {bw / 1e12:.2f} TB/s (the floor: weight bytes at that rate)")
     if args.moe:
         import bench_moe
