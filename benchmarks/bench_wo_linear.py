@@ -25,6 +25,7 @@ from qcompile.bench import graph_time_us
 import torch.nn.functional as F
 
 from qcompile.kernels import wo_gemm as wg
+from qcompile.kernels import wo_tune
 from qcompile.kernels import quant_math, wo_mma
 from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, NVFP4_WEIGHT, Granularity, Packing, QDtype, QuantScheme,
                              ScaleSpec, WeightSpec, canonical_shape)
@@ -81,7 +82,9 @@ def weight_bytes(q: dict) -> int:
 
 
 def copies_for(nbytes: int) -> int:
-    return max(2, -(-200_000_000 // nbytes))
+    """Weight copies a benchmark cycles through: the tuner's rule (over 256 MB together) with no cap, so that no
+    call finds its weights in L2."""
+    return wo_tune.copies_for(nbytes, most=None)
 
 
 def weight_copies(spec: WeightSpec, n: int, k: int, g: torch.Generator) -> list[dict]:

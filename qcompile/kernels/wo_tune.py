@@ -274,11 +274,12 @@ MAX_COPIES = 16
 GRAPH_CALLS = 20
 
 
-def copies_for(nbytes: int) -> int:
+def copies_for(nbytes: int, most: int | None = MAX_COPIES) -> int:
     """Copies of a call's weights (``nbytes`` each) that a graph-timed :func:`measure` cycles through: together
-    over :data:`COPY_BYTES`, at least 2, at most :data:`MAX_COPIES` (so weights under about 4 MB, whose 16 copies
-    an H100's or H200's L2 holds most of, are timed partly from L2)."""
-    return max(2, min(MAX_COPIES, -(-COPY_BYTES // max(nbytes, 1))))
+    over :data:`COPY_BYTES`, at least 2, at most ``most`` (the tuner's :data:`MAX_COPIES`: weights under about
+    4 MB, whose 16 copies an H100's or H200's L2 holds most of, are timed partly from L2; the benchmarks: None)."""
+    n = max(2, -(-COPY_BYTES // max(nbytes, 1)))
+    return n if most is None else min(most, n)
 
 
 def measure(choices: list[Choice], run, reps: int = 20) -> dict[Choice, float]:
