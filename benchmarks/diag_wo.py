@@ -5,6 +5,7 @@
     python benchmarks/diag_wo.py --ws-sweep        # M = 64: warp-specialized launch variants, x_prep's cost
     python benchmarks/diag_wo.py --ab OLD.cu ...   # each OLD.cu's default launch (git show HEAD~:...) vs this one
     python benchmarks/diag_wo.py --stream          # M = 1, 4, 16: each launch vs the same launch streaming only
+    python benchmarks/diag_wo.py --moe qwen3-30b-a3b mixtral --stream   # --stream / --ab on the MoE op, T tokens
 
 µs per call as in bench_wo_linear (CUDA-graph replays, rotating weight copies), every cell twice (rounds
 interleaved) where the flag says so; JSON to --out.
@@ -28,7 +29,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_wo_linear import FORMATS, copies_for, op_fn, timed, weight_bytes, weight_copies  # noqa: E402
 from e2e_models import copy_bandwidth  # noqa: E402
 
-from qcompile.kernels import cuda_driver, quant_math, wo_mma, wo_policy  # noqa: E402
+from qcompile.kernels import cuda_driver, moe_wo, quant_math, wo_mma, wo_policy  # noqa: E402
+from qcompile.scheme import parse_scheme_key  # noqa: E402
 
 
 def tiled_copies(spec, n, k, g, normal=False):
@@ -126,10 +128,51 @@ def under(ctx, fn):
     return call
 
 
+# --moe: the weight-only MoE op (bench_moe's layers, routings and call) in place of wo_linear, per format of FORMATS
+MOE_FORMATS = {"int4 g128": "ours int4 g128 weight-only", "nvfp4": "ours NVFP4 weight-only",
+               "mxfp4": "ours MXFP4 weight-only", "mxfp8": "ours MXFP8 weight-only"}
+
+
+def moe_calls(shapes, formats, tokens, bw: float):
+    """Per MoE shape (bench_moe.SHAPES), format and T: (key, the op's call cycling 10 routings (each call reads other
+    experts), the call of the first routing, T, the floor in µs: the experts the routings touch at ``bw`` bytes/s)."""
+    import bench_moe as bm
+
+    for shape in shapes:
+        e, h, i, k = bm.SHAPES[shape]
+        for name in formats:
+            spec, w13, w2 = bm.wo_layer(parse_scheme_key(bm.OURS_WO[MOE_FORMATS[name]]), e, h, i, "cuda", 0)
+            for t in tokens:
+                routes, used = bm.routings(t, e, h, k, "cuda", 10)
+                make = bm._wo_call(spec, w13, w2)
+                floor = round(used * moe_wo.expert_bytes(w13, w2) / bw * 1e6, 2)
+                yield f"{shape} {name} T={t}", bm.cycled(make, routes), make(*routes[0]), t, floor
+            del w13, w2
+            torch.cuda.empty_cache()
+
+
+def moe_timed(fn, t: int) -> float:
+    import bench_moe as bm
+
+    return bm._time(fn, t, 25, "cuda")
+
+
 def ab(args, g, res):
     """The default launch (through the op's mma backend) with this checkout's wo_mma.cu and with each of
     ``args.ab``, rounds interleaved; bf16 F.linear beside them; the outputs compared bit for bit."""
     others = {Path(a).stem: source_of(a) for a in args.ab}
+    if args.moe:
+        for key, fn, first, t, floor in moe_calls(args.moe, args.ab_formats, args.ab_m, copy_bandwidth("cuda")):
+            fns = {"new": fn, **{o: under(ctx, fn) for o, ctx in others.items()}}
+            want = first()
+            same = all(torch.equal(want, under(ctx, first)()) for ctx in others.values())
+            rounds = {o: [] for o in fns}
+            for _ in range(args.rounds):
+                for o, f in fns.items():
+                    rounds[o].append(moe_timed(f, t))
+            res[key] = dict(rounds, same_bits=same, floor_us=floor)
+            print(key, res[key], flush=True)
+        return
     for shape in args.shapes:
         n, k, xs = with_bf16(shape, args.ab_m, g, res)
         for name in args.ab_formats:
@@ -189,6 +232,15 @@ def stream(args, g, res):
     bw = copy_bandwidth("cuda")
     res["copy_GBps"] = round(bw / 1e9)
     variants = json.loads(args.stream_variants) if args.stream_variants else STREAM_VARIANTS
+    if args.moe:  # the op's launches only
+        for key, fn, _, t, floor in moe_calls(args.moe, args.stream_formats, args.stream_m, bw):
+            rounds = {"kernel": [], "stream": []}
+            for _ in range(args.rounds):
+                rounds["kernel"].append(moe_timed(fn, t))
+                rounds["stream"].append(moe_timed(under(only, fn), t))
+            res[key] = dict(rounds, floor_us=floor)
+            print(key, res[key], flush=True)
+        return
     for shape in args.shapes:
         n, k = map(int, shape.split("x"))
         for name in args.stream_formats:
@@ -267,6 +319,8 @@ def main(argv=None):
     p.add_argument("--ws-formats", nargs="+", default=["int4 g128", "nvfp4"])
     p.add_argument("--ws-variants", default=None, help="JSON list of wo_mma keyword dicts (default WS_VARIANTS)")
     p.add_argument("--formats", nargs="+", default=list(FORMATS))
+    p.add_argument("--moe", nargs="+", default=None, metavar="SHAPE",
+                   help="--stream / --ab on the weight-only MoE op of these bench_moe shapes, T = --stream-m / --ab-m")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from qcompile.kernels import wo_mma, wo_policy
+from qcompile.scheme import parse_scheme_key
 
 from .bench_util import benchmark
 from .kernels.test_wo_policy import FakeGpu
@@ -37,3 +38,11 @@ def test_stream_source_compiles(tmp_path):
     run = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-std=c++17", "-o", str(tmp_path / "s.cubin"), str(src)],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_moe_formats_name_the_moe_benchmarks_schemes():
+    """--moe runs bench_moe's weight-only layers: each format name of --stream-formats / --ab-formats has one, and the
+    scheme it names is the dense format's weight."""
+    diag, bm = benchmark("diag_wo"), benchmark("bench_moe")
+    for name, key in diag.MOE_FORMATS.items():
+        assert parse_scheme_key(bm.OURS_WO[key]).weight == diag.FORMATS[name], name
