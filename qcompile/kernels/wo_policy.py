@@ -73,8 +73,8 @@ XS_SLOTS = 3
 XS_MIN_M = 5
 XS_MAX_M = 16  # (x streamed: up to two token tiles)
 # Where no tile sharing fits, x streamed rather than a split reduced in global memory, from this M by format
-# (FMT code; XS_MIN_M for the others): below it the global reduction measured faster on an H200.
-XS_GLOBAL_MIN_M = {0: 3, 4: 8}
+# (XS_MIN_M for the others): below it the global reduction measured faster on an H200.
+XS_GLOBAL_MIN_M = {FMT[QDtype.INT4, Packing.INT32]: 3, FMT[QDtype.FP8_E4M3, Packing.NONE]: 8}
 XS_MIN_FILL = 0.8  # ... where its first candidate fills this share of the SMs
 XS_MIN_CHUNKS = 8  # int4 at two token tiles: where each warp streams this many chunks (the ring's handshake)
 
