@@ -88,6 +88,14 @@ WO_PATHS = {"Triton grouped kernel": dict(dequant_rows=1 << 30, mma=None),
 WO_PATH_FORMATS = 2  # the first formats of OURS_WO
 
 
+def wo_row(fmt: str) -> str:
+    """The OURS_WO row of a format word (``int4 g128``, ``nvfp4``, ...; any case)."""
+    rows = [r for r in OURS_WO if fmt.lower() in r.lower()]
+    if len(rows) != 1:
+        raise SystemExit(f"{fmt!r}: not one weight-only row of bench_moe.py ({', '.join(OURS_WO)})")
+    return rows[0]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES) + list(TINY),
                    help="expert shapes (default: %(default)s)")

@@ -128,9 +128,7 @@ def under(ctx, fn):
     return call
 
 
-# --moe: the weight-only MoE op (bench_moe's layers, routings and call) in place of wo_linear, per format of FORMATS
-MOE_FORMATS = {"int4 g128": "ours int4 g128 weight-only", "nvfp4": "ours NVFP4 weight-only",
-               "mxfp4": "ours MXFP4 weight-only", "mxfp8": "ours MXFP8 weight-only"}
+# --moe: the weight-only MoE op (bench_moe's layers, routings and call) in place of wo_linear
 
 
 def moe_calls(shapes, formats, tokens, bw: float):
@@ -141,7 +139,7 @@ def moe_calls(shapes, formats, tokens, bw: float):
     for shape in shapes:
         e, h, i, k = bm.SHAPES[shape]
         for name in formats:
-            spec, w13, w2 = bm.wo_layer(parse_scheme_key(bm.OURS_WO[MOE_FORMATS[name]]), e, h, i, "cuda", 0)
+            spec, w13, w2 = bm.wo_layer(parse_scheme_key(bm.OURS_WO[bm.wo_row(name)]), e, h, i, "cuda", 0)
             for t in tokens:
                 routes, used = bm.routings(t, e, h, k, "cuda", 10)
                 make = bm._wo_call(spec, w13, w2)

@@ -65,9 +65,7 @@ def tune_moe(name: str, fmt: str, tokens, bw: float, reps: int) -> dict[str, dic
     from qcompile.kernels import moe_wo
 
     e, h, i, k = bench_moe.SHAPES[name]
-    spec = moe_wo.parse_scheme_key(bench_moe.OURS_WO[fmt])
-    spec, w13, w2 = bench_moe.as_loaded(spec, *(bench_moe.wo_expert_weights(spec.weight, e, n, kk, "cuda", j)
-                                                for j, (n, kk) in enumerate(((2 * i, h), (h, i)))), h, i)
+    spec, w13, w2 = bench_moe.wo_layer(moe_wo.parse_scheme_key(bench_moe.OURS_WO[fmt]), e, h, i, "cuda", 0)
     per_expert = moe_wo.expert_bytes(w13, w2)
     entries = {}
     for t in tokens:
@@ -116,7 +114,7 @@ def main(argv=None) -> int:
     if args.moe:
         import bench_moe
 
-        rows = {f: next(r for r in bench_moe.OURS_WO if f in r) for f in args.moe_formats}
+        rows = {f: bench_moe.wo_row(f) for f in args.moe_formats}
         for shape in args.moe:
             for row in rows.values():
                 entries = tune_moe(shape, row, args.tokens, bw, args.reps)

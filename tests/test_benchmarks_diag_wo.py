@@ -41,8 +41,11 @@ def test_stream_source_compiles(tmp_path):
 
 
 def test_moe_formats_name_the_moe_benchmarks_schemes():
-    """--moe runs bench_moe's weight-only layers: each format name of --stream-formats / --ab-formats has one, and the
-    scheme it names is the dense format's weight."""
+    """--moe runs bench_moe's weight-only layers: the 4-bit and MX format names of --stream-formats / --ab-formats
+    each name one row, whose scheme is the dense format's weight; tune_wo's words too; others stop with a message."""
     diag, bm = benchmark("diag_wo"), benchmark("bench_moe")
-    for name, key in diag.MOE_FORMATS.items():
-        assert parse_scheme_key(bm.OURS_WO[key]).weight == diag.FORMATS[name], name
+    for name in ("int4 g128", "nvfp4", "mxfp4", "mxfp8"):
+        assert parse_scheme_key(bm.OURS_WO[bm.wo_row(name)]).weight == diag.FORMATS[name], name
+    assert bm.wo_row("NVFP4") == bm.wo_row("nvfp4")
+    with pytest.raises(SystemExit, match="int8 channel"):
+        bm.wo_row("int8 channel")
