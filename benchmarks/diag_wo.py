@@ -120,6 +120,15 @@ class source_of:
         wo_mma.SOURCE, wo_mma._KERNELS, wo_policy._PLANS, wo_policy._DEFAULTS = self.saved
 
 
+def interleaved(fns: dict, rounds: int, time) -> dict:
+    """{name: µs of ``fns[name]`` in each of ``rounds`` rounds}, every function once per round (``time(fn)``)."""
+    out = {o: [] for o in fns}
+    for _ in range(rounds):
+        for o, f in fns.items():
+            out[o].append(time(f))
+    return out
+
+
 def under(ctx, fn):
     """``fn`` run inside ``ctx`` (a :class:`source_of`) at each call."""
     def call():
@@ -164,10 +173,7 @@ def ab(args, g, res):
             fns = {"new": fn, **{o: under(ctx, fn) for o, ctx in others.items()}}
             want = first()
             same = all(torch.equal(want, under(ctx, first)()) for ctx in others.values())
-            rounds = {o: [] for o in fns}
-            for _ in range(args.rounds):
-                for o, f in fns.items():
-                    rounds[o].append(moe_timed(f, t))
+            rounds = interleaved(fns, args.rounds, lambda f: moe_timed(f, t))
             res[key] = dict(rounds, same_bits=same, floor_us=floor)
             print(key, res[key], flush=True)
         return
@@ -182,10 +188,7 @@ def ab(args, g, res):
                 want = fns["new"][0]()
                 same = all(torch.equal(want, f[0]()) for f in fns.values())
                 err = rel(want, op_fn(xs[m], qs[0], sp, "dequant")())
-                rounds = {o: [] for o in fns}
-                for _ in range(args.rounds):
-                    for o, f in fns.items():
-                        rounds[o].append(timed(f, 20, 25, m))
+                rounds = interleaved(fns, args.rounds, lambda f: timed(f, 20, 25, m))
                 res[key] = dict(rounds, same_bits=same, rel=err)
                 print(key, res[key], flush=True)
             del qs
@@ -232,10 +235,7 @@ def stream(args, g, res):
     variants = json.loads(args.stream_variants) if args.stream_variants else STREAM_VARIANTS
     if args.moe:  # the op's launches only
         for key, fn, _, t, floor in moe_calls(args.moe, args.stream_formats, args.stream_m, bw):
-            rounds = {"kernel": [], "stream": []}
-            for _ in range(args.rounds):
-                rounds["kernel"].append(moe_timed(fn, t))
-                rounds["stream"].append(moe_timed(under(only, fn), t))
+            rounds = interleaved({"kernel": fn, "stream": under(only, fn)}, args.rounds, lambda f: moe_timed(f, t))
             res[key] = dict(rounds, floor_us=floor)
             print(key, res[key], flush=True)
         return
@@ -255,10 +255,7 @@ def stream(args, g, res):
                     else:
                         real = [op_fn(x, q, sp, "mma") for q in qs]
                     fns = {"kernel": real, "stream": [under(only, f) for f in real]}
-                    rounds = {o: [] for o in fns}
-                    for _ in range(args.rounds):
-                        for o, f in fns.items():
-                            rounds[o].append(timed(f, 20, 25, m))
+                    rounds = interleaved(fns, args.rounds, lambda f: timed(f, 20, 25, m))
                     res[key] = dict(rounds, floor_us=floor)
                     print(key, res[key], flush=True)
             del qs

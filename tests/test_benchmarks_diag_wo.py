@@ -49,3 +49,10 @@ def test_moe_formats_name_the_moe_benchmarks_schemes():
     assert bm.wo_row("NVFP4") == bm.wo_row("nvfp4")
     with pytest.raises(SystemExit, match="int8 channel"):
         bm.wo_row("int8 channel")
+
+
+def test_interleaved_rounds():
+    """Every function once per round, in order, rounds after one another."""
+    calls = []
+    out = benchmark("diag_wo").interleaved({"a": "A", "b": "B"}, 3, lambda f: calls.append(f) or len(calls))
+    assert calls == ["A", "B"] * 3 and out == {"a": [1, 3, 5], "b": [2, 4, 6]}
