@@ -7,6 +7,7 @@ graphs.
     python benchmarks/e2e_decode.py --quick --interleave --batch 1    # batch-1 speed-ups, rounds alternated
     python benchmarks/e2e_decode.py --formats bf16 modelopt-fp8 --json a.json
     python benchmarks/e2e_decode.py --arch qwen3_moe --hf-generate --json moe.json
+    python benchmarks/e2e_decode.py --tokens 0 --no-errors --reps 3  # prefill only (no decode step built)
     python benchmarks/e2e_decode.py --tiny --device cpu --hf-generate  # smoke test of every path, anywhere
 
 The bf16 weights are made on the device (seeded); each quantized checkpoint is quantized there by
@@ -17,7 +18,8 @@ first, then the decode rounds alternate between them (order rotated each round).
 tokens/s of an own greedy loop (``kv_cache.static_cache``, one compiled step per token with its argmax, CUDA graphs,
 no host synchronization between steps) at each ``--batch``, the median of ``--reps`` rounds and their spread,
 against the weight-read floor (bytes one step reads / the device-to-device copy bandwidth measured in the same run);
-the prefill of ``--prefill`` tokens at batch 1 (compiled without CUDA graphs); logits errors on a 32-token probe
+the prefill of ``--prefill`` tokens at batch 1 (compiled without CUDA graphs; printed as each model finishes it);
+logits errors on a 32-token probe
 (compiled vs eager, and vs the dequantized bf16 model; ``--no-errors`` skips them); with ``--hf-generate``,
 ``model.generate`` with a static cache and a CompileConfig (qcompile backend, its CUDA graphs), decode tokens/s next
 to the own loop's.
@@ -81,7 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default: 32 llama, 4 qwen3_moe and gpt_oss)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
-    p.add_argument("--tokens", type=int, default=64, help="decode steps per timed round")
+    p.add_argument("--tokens", type=int, default=64, help="decode steps per timed round (0: no decode, e.g. prefill "
+                   "only)")
     p.add_argument("--reps", type=int, default=5, help="timed rounds per measurement (median)")
     p.add_argument("--interleave", action="store_true",
                    help="build every model and capture its decode steps first, then alternate the decode rounds "
@@ -128,6 +131,10 @@ def parse_args(argv=None):
     args.formats = formats
     if args.hf_generate and args.tokens < 2:
         p.error("--hf-generate times the decode steps after the first token: pass --tokens 2 or more")
+    if args.tokens < 0:
+        p.error("--tokens: 0 or more decode steps")
+    if args.tokens == 0:
+        args.batch = []  # (no decode step built or timed)
     return args
 
 
@@ -239,6 +246,7 @@ def prepare(name: str, fmt: str, make, args, results: dict) -> Held:
         out["errors"] = em.logits_errors(model, plain_compile, probe.to(args.device), quantized)
     if args.prefill:
         out["prefill_ms"] = em.prefill_ms(model, plain_compile, args.device, args.prefill, args.reps)
+        print(f"  {name} prefill of {args.prefill} tokens: {out['prefill_ms']:.1f} ms", flush=True)
     if args.hf_generate:
         torch._dynamo.reset()
         out["hf_generate_b1"] = em.generate_tok_s(model, em.compile_config(quantized, args.device == "cuda", args.inner,
@@ -361,7 +369,7 @@ def run_group(makers: dict, args, results: dict) -> None:
                 del held[name]
         times = attempt(list(held), results, decode_rounds, {name: h.decoders for name, h in held.items()}, args) \
             if held else None
-        for name, h in held.items() if times else ():
+        for name, h in held.items() if times is not None else ():
             attempt([name], results, finish, name, h, times, args)
     finally:
         held = h = None

@@ -192,6 +192,22 @@ def test_no_errors_skips_the_probe(tmp_path, monkeypatch):
     assert "compiled vs eager" not in table and "ct-w4a16 qcompile" in table
 
 
+def test_prefill_only(tmp_path, capsys):
+    """--tokens 0: no decode step is built or timed; each model's prefill is printed when measured and the table has
+    the prefill column alone."""
+    out = tmp_path / "out.json"
+    e2e_decode.main(SMOKE[:-6] + ["--tokens", "0", "--reps", "1", "--layers", "1", "--arch", "llama", "--formats",
+                                  "bf16", "ct-w4a16", "--prefill", "16", "--no-errors", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["args"]["batch"] == []
+    for r in report["results"].values():
+        assert r["prefill_ms"] > 0 and not any(k.startswith("decode_b") for k in r), r
+    printed = capsys.readouterr().out
+    assert "ct-w4a16 qcompile prefill of 16 tokens:" in printed and "decode b" not in printed.split("| model")[-1]
+    with pytest.raises(SystemExit):
+        e2e_decode.parse_args(["--tokens", "-1"])
+
+
 def test_profile_prefill_dry_run(capsys):
     """benchmarks/profile_prefill.py --dry-run: both models prefill compiled on the CPU and report their wall time
     and host profile (no GPU time there)."""
