@@ -6,6 +6,8 @@
     python benchmarks/diag_wo.py --ab OLD.cu ...   # each OLD.cu's default launch (git show HEAD~:...) vs this one
     python benchmarks/diag_wo.py --stream          # M = 1, 4, 16: each launch vs the same launch streaming only
     python benchmarks/diag_wo.py --moe qwen3-30b-a3b mixtral --stream   # --stream / --ab on the MoE op, T tokens
+                                                                        # (--stream: also its experts from L2)
+    python benchmarks/diag_wo.py --moe qwen3-30b-a3b --ab QCOMPILE_MOE_FUSE=0   # an environment knob A/B
 
 µs per call as in bench_wo_linear (CUDA-graph replays, rotating weight copies), every cell twice (rounds
 interleaved) where the flag says so; JSON to --out.
@@ -120,6 +122,25 @@ class source_of:
         wo_mma.SOURCE, wo_mma._KERNELS, wo_policy._PLANS, wo_policy._DEFAULTS = self.saved
 
 
+class env_of:
+    """Environment variables ``NAME=VALUE[,NAME=VALUE...]`` set inside the block (a knob the op reads per call,
+    e.g. ``QCOMPILE_MOE_PF=0``), restored after it."""
+
+    def __init__(self, spec: str):
+        self.pairs = dict(kv.split("=", 1) for kv in spec.split(","))
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.pairs}
+        os.environ.update(self.pairs)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def interleaved(fns: dict, rounds: int, time) -> dict:
     """{name: µs of ``fns[name]`` in each of ``rounds`` rounds}, every function once per round (``time(fn)``)."""
     out = {o: [] for o in fns}
@@ -166,8 +187,10 @@ def moe_timed(fn, t: int) -> float:
 
 def ab(args, g, res):
     """The default launch (through the op's mma backend) with this checkout's wo_mma.cu and with each of
-    ``args.ab``, rounds interleaved; bf16 F.linear beside them; the outputs compared bit for bit."""
-    others = {Path(a).stem: source_of(a) for a in args.ab}
+    ``args.ab`` (another wo_mma.cu, or ``NAME=VALUE`` environment settings: :class:`env_of`), rounds interleaved;
+    bf16 F.linear beside them; the outputs compared bit for bit."""
+    others = {a: env_of(a) if "=" in a else source_of(a) for a in args.ab}
+    others = {Path(a).stem if "=" not in a else a: ctx for a, ctx in others.items()}
     if args.moe:
         for key, fn, first, t, floor in moe_calls(args.moe, args.ab_formats, args.ab_m, copy_bandwidth("cuda")):
             fns = {"new": fn, **{o: under(ctx, fn) for o, ctx in others.items()}}
@@ -226,7 +249,8 @@ def stream(args, g, res):
     """Per shape, format and M of ``args.stream_m``: the op's mma launch (first column, ``{}``) and wo_mma with each
     of ``args.stream_variants``, with this checkout's kernel and with its weight stream alone (:func:`stream_source`),
     rounds interleaved, next to the weight-read floor at the copy bandwidth measured here. The difference is the
-    time the decode and MMAs add to the stream on that launch."""
+    time the decode and MMAs add to the stream on that launch. With ``--moe``: the op's launches, and the op on one
+    routing repeated ("l2": its experts read from L2, not memory), the share of the time the weight reads take."""
     path = Path(tempfile.mkdtemp()) / "wo_mma_stream.cu"
     path.write_text(stream_source(wo_mma.SOURCE.read_text()))
     only = source_of(path)
@@ -234,8 +258,9 @@ def stream(args, g, res):
     res["copy_GBps"] = round(bw / 1e9)
     variants = json.loads(args.stream_variants) if args.stream_variants else STREAM_VARIANTS
     if args.moe:  # the op's launches only
-        for key, fn, _, t, floor in moe_calls(args.moe, args.stream_formats, args.stream_m, bw):
-            rounds = interleaved({"kernel": fn, "stream": under(only, fn)}, args.rounds, lambda f: moe_timed(f, t))
+        for key, fn, first, t, floor in moe_calls(args.moe, args.stream_formats, args.stream_m, bw):
+            rounds = interleaved({"kernel": fn, "stream": under(only, fn), "l2": first}, args.rounds,
+                                 lambda f: moe_timed(f, t))
             res[key] = dict(rounds, floor_us=floor)
             print(key, res[key], flush=True)
         return
@@ -299,7 +324,8 @@ def main(argv=None):
     p.add_argument("--op-vs-direct", action="store_true")
     p.add_argument("--ws-sweep", action="store_true")
     p.add_argument("--ab", nargs="+", default=None, metavar="OLD.cu",
-                   help="wo_mma.cu files to time against this checkout's")
+                   help="wo_mma.cu files, or NAME=VALUE[,NAME=VALUE] environment settings, to time against this "
+                        "checkout's defaults")
     p.add_argument("--ab-m", type=int, nargs="+", default=[12, 16, 32, 64, 96, 128])
     p.add_argument("--ab-formats", nargs="+", default=["int4 g128", "nvfp4"])
     p.add_argument("--stream", action="store_true")

@@ -4,6 +4,7 @@ and (where nvcc is installed) the copy compiles for sm_90."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from dataclasses import replace
@@ -56,3 +57,14 @@ def test_interleaved_rounds():
     calls = []
     out = benchmark("diag_wo").interleaved({"a": "A", "b": "B"}, 3, lambda f: calls.append(f) or len(calls))
     assert calls == ["A", "B"] * 3 and out == {"a": [1, 3, 5], "b": [2, 4, 6]}
+
+
+def test_env_variant_sets_and_restores(monkeypatch):
+    """--ab NAME=VALUE[,NAME=VALUE]: the variables hold those values inside the block and their old values (or none)
+    after it."""
+    monkeypatch.setenv("QCOMPILE_DIAG_A", "old")
+    monkeypatch.delenv("QCOMPILE_DIAG_B", raising=False)
+    ctx = benchmark("diag_wo").env_of("QCOMPILE_DIAG_A=1,QCOMPILE_DIAG_B=x=y")
+    with ctx:
+        assert os.environ["QCOMPILE_DIAG_A"] == "1" and os.environ["QCOMPILE_DIAG_B"] == "x=y"
+    assert os.environ["QCOMPILE_DIAG_A"] == "old" and "QCOMPILE_DIAG_B" not in os.environ
