@@ -124,7 +124,7 @@ class source_of:
 
 class env_of:
     """Environment variables ``NAME=VALUE[,NAME=VALUE...]`` set inside the block (a knob the op reads per call,
-    e.g. ``QCOMPILE_MOE_PF=0``), restored after it."""
+    e.g. ``QCOMPILE_MOE_FUSE=0``), restored after it."""
 
     def __init__(self, spec: str):
         self.pairs = dict(kv.split("=", 1) for kv in spec.split(","))
@@ -151,7 +151,7 @@ def interleaved(fns: dict, rounds: int, time) -> dict:
 
 
 def under(ctx, fn):
-    """``fn`` run inside ``ctx`` (a :class:`source_of`) at each call."""
+    """``fn`` run inside ``ctx`` (a :class:`source_of` or :class:`env_of`) at each call."""
     def call():
         with ctx:
             return fn()
@@ -188,9 +188,8 @@ def moe_timed(fn, t: int) -> float:
 def ab(args, g, res):
     """The default launch (through the op's mma backend) with this checkout's wo_mma.cu and with each of
     ``args.ab`` (another wo_mma.cu, or ``NAME=VALUE`` environment settings: :class:`env_of`), rounds interleaved;
-    bf16 F.linear beside them; the outputs compared bit for bit."""
-    others = {a: env_of(a) if "=" in a else source_of(a) for a in args.ab}
-    others = {Path(a).stem if "=" not in a else a: ctx for a, ctx in others.items()}
+    bf16 F.linear beside them (dense shapes); the outputs compared bit for bit."""
+    others = {a if "=" in a else Path(a).stem: env_of(a) if "=" in a else source_of(a) for a in args.ab}
     if args.moe:
         for key, fn, first, t, floor in moe_calls(args.moe, args.ab_formats, args.ab_m, copy_bandwidth("cuda")):
             fns = {"new": fn, **{o: under(ctx, fn) for o, ctx in others.items()}}

@@ -19,10 +19,9 @@ tokens/s of an own greedy loop (``kv_cache.static_cache``, one compiled step per
 no host synchronization between steps) at each ``--batch``, the median of ``--reps`` rounds and their spread,
 against the weight-read floor (bytes one step reads / the device-to-device copy bandwidth measured in the same run);
 the prefill of ``--prefill`` tokens at batch 1 (compiled without CUDA graphs; printed as each model finishes it);
-logits errors on a 32-token probe
-(compiled vs eager, and vs the dequantized bf16 model; ``--no-errors`` skips them); with ``--hf-generate``,
-``model.generate`` with a static cache and a CompileConfig (qcompile backend, its CUDA graphs), decode tokens/s next
-to the own loop's.
+logits errors on a 32-token probe (compiled vs eager, and vs the dequantized bf16 model; ``--no-errors`` skips
+them); with ``--hf-generate``, ``model.generate`` with a static cache and a CompileConfig (qcompile backend, its
+CUDA graphs), decode tokens/s next to the own loop's.
 """
 
 from __future__ import annotations
