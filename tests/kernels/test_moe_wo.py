@@ -956,7 +956,7 @@ MOE_ENTRY = re.compile(r"^(?P<scheme>[^|]+)\|bfloat16\|moe E(?P<e>\d+) k(?P<k>\d
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["int4_g128", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["int4_g128", "nvfp4", "mxfp4", "mxfp8"])
 def test_gpu_shipped_entries_match_reference(fmt):
     """Every shipped table entry of this GPU for ``fmt``'s experts (the launches a model of that shape runs) on
     random experts of the entry's shape at its T, against experts_ref."""
