@@ -224,11 +224,16 @@ def compilers(args, quantized: bool, options: dict) -> tuple:
             return torch.compile(f, backend=args.inner, fullgraph=fullgraph, dynamic=False)
         return torch.compile(f, mode="reduce-overhead" if cuda else None, fullgraph=fullgraph, dynamic=False)
 
-    def plain_compile(f):
-        return torch.compile(f, backend=qcompile.backend(inner=args.inner, **options) if quantized else args.inner,
-                             dynamic=False)
+    return be, compile_fn, plain_compiler(args, quantized, options)[1]
 
-    return be, compile_fn, plain_compile
+
+def plain_compiler(args, quantized: bool, options: dict) -> tuple:
+    """(the qcompile backend or None, a compile function without CUDA graphs on it): the error probe's and the
+    prefill's, each with a backend of its own, so that the rows it explains are that graph's."""
+    import qcompile
+
+    be = qcompile.backend(inner=args.inner, **options) if quantized else None
+    return be, lambda f: torch.compile(f, backend=be or args.inner, dynamic=False)
 
 
 def prepare(name: str, fmt: str, make, args, results: dict) -> Held:
@@ -244,8 +249,12 @@ def prepare(name: str, fmt: str, make, args, results: dict) -> Held:
     if not args.no_errors:
         out["errors"] = em.logits_errors(model, plain_compile, probe.to(args.device), quantized)
     if args.prefill:
-        out["prefill_ms"] = em.prefill_ms(model, plain_compile, args.device, args.prefill, args.reps)
+        pbe, prefill_compile = plain_compiler(args, quantized, backend_options(fmt) if quantized else {})
+        out["prefill_ms"] = em.prefill_ms(model, prefill_compile, args.device, args.prefill, args.reps)
         print(f"  {name} prefill of {args.prefill} tokens: {out['prefill_ms']:.1f} ms", flush=True)
+        if pbe is not None:
+            out["prefill_kernels"] = kernel_summary(pbe.rows, model)
+            print(f"  {name} prefill kernels: {json.dumps(out['prefill_kernels']['by_op'])}", flush=True)
     if args.hf_generate:
         torch._dynamo.reset()
         out["hf_generate_b1"] = em.generate_tok_s(model, em.compile_config(quantized, args.device == "cuda", args.inner,
@@ -294,7 +303,7 @@ def finish(name: str, held: Held, times: dict, args) -> None:
             d["kernels"] = em.profile_kernels(held.decoders[b], args.tokens, args.profile)
             for kname, us, count in d["kernels"]:
                 print(f"    {us:8.1f} us/step  x{count:<5g} {kname}", flush=True)
-    if held.backend is not None:
+    if held.backend is not None and args.batch:  # (--tokens 0 builds no decode step)
         out["kernels"] = kernel_summary(held.backend.rows, held.model)
         # inductor's config patches each decode graph compiled with (PDL, combo kernels, CUDA graphs)
         out["inductor_patches"] = [dict(p) for p in held.backend.compiled_with]
@@ -468,8 +477,9 @@ def main(argv=None):
               f"command: `{command}`\n{note(args.interleave)}\n\n{table(results, args)}")
     print("\n" + report)
     for name, r in results.items():
-        if "kernels" in r:
-            print(f"{name} kernels: {json.dumps(r['kernels'])}")
+        for what in ("kernels", "prefill_kernels"):
+            if what in r:
+                print(f"{name} {what.replace('_', ' ')}: {json.dumps(r[what])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "torch": torch.__version__, "command": command, "note": note(args.interleave),

@@ -201,7 +201,10 @@ def test_prefill_only(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["args"]["batch"] == []
     for r in report["results"].values():
-        assert r["prefill_ms"] > 0 and not any(k.startswith("decode_b") for k in r), r
+        assert r["prefill_ms"] > 0 and not any(k.startswith("decode_b") for k in r) and "kernels" not in r, r
+    # the prefill's own kernels: the one layer's four quantized linears (q/k/v and gate/up fused), the CPU's backend
+    kernels = report["results"]["ct-w4a16 qcompile"]["prefill_kernels"]["by_op"]
+    assert kernels == {"qcompile::wo_linear": {"wo_dequant": 4}}
     printed = capsys.readouterr().out
     assert "ct-w4a16 qcompile prefill of 16 tokens:" in printed and "decode b" not in printed.split("| model")[-1]
     with pytest.raises(SystemExit):
