@@ -208,8 +208,7 @@ class Held:
 
 
 def compilers(args, quantized: bool, options: dict) -> tuple:
-    """(the qcompile backend or None, the compile function of the decode steps (CUDA graphs), that of the error
-    probe and the prefill (no CUDA graphs: a prefill is one long compute-bound step)); ``options``: the
+    """(the qcompile backend or None, the compile function of the decode steps (CUDA graphs)); ``options``: the
     format's qcompile backend options (:func:`backend_options`)."""
     import qcompile
 
@@ -224,12 +223,13 @@ def compilers(args, quantized: bool, options: dict) -> tuple:
             return torch.compile(f, backend=args.inner, fullgraph=fullgraph, dynamic=False)
         return torch.compile(f, mode="reduce-overhead" if cuda else None, fullgraph=fullgraph, dynamic=False)
 
-    return be, compile_fn, plain_compiler(args, quantized, options)[1]
+    return be, compile_fn
 
 
 def plain_compiler(args, quantized: bool, options: dict) -> tuple:
     """(the qcompile backend or None, a compile function without CUDA graphs on it): the error probe's and the
-    prefill's, each with a backend of its own, so that the rows it explains are that graph's."""
+    prefill's (a prefill is one long compute-bound step), each with a backend of its own, so that the rows it
+    explains are that graph's."""
     import qcompile
 
     be = qcompile.backend(inner=args.inner, **options) if quantized else None
@@ -244,12 +244,14 @@ def prepare(name: str, fmt: str, make, args, results: dict) -> Held:
     em.sync(args.device)
     out = results[name] = {"load_s": time.perf_counter() - t0, "weight_bytes": em.tensor_bytes(model)}
     quantized = fmt != "bf16"
-    be, compile_fn, plain_compile = compilers(args, quantized, backend_options(fmt) if quantized else {})
+    options = backend_options(fmt) if quantized else {}
+    be, compile_fn = compilers(args, quantized, options)
     probe = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
     if not args.no_errors:
-        out["errors"] = em.logits_errors(model, plain_compile, probe.to(args.device), quantized)
+        out["errors"] = em.logits_errors(model, plain_compiler(args, quantized, options)[1], probe.to(args.device),
+                                         quantized)
     if args.prefill:
-        pbe, prefill_compile = plain_compiler(args, quantized, backend_options(fmt) if quantized else {})
+        pbe, prefill_compile = plain_compiler(args, quantized, options)
         out["prefill_ms"] = em.prefill_ms(model, prefill_compile, args.device, args.prefill, args.reps)
         print(f"  {name} prefill of {args.prefill} tokens: {out['prefill_ms']:.1f} ms", flush=True)
         if pbe is not None:
@@ -258,7 +260,7 @@ def prepare(name: str, fmt: str, make, args, results: dict) -> Held:
     if args.hf_generate:
         torch._dynamo.reset()
         out["hf_generate_b1"] = em.generate_tok_s(model, em.compile_config(quantized, args.device == "cuda", args.inner,
-                                                                           backend_options(fmt) if quantized else None),
+                                                                           options if quantized else None),
                                                   args.device, 1, args.prompt, args.tokens, args.reps)
         if quantized:
             # generate() compiles with backend="qcompile" (a copy of the config): the rows explain() reads
