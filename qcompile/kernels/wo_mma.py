@@ -254,6 +254,8 @@ def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, globa
     kx = a.shape[1]
     k = spec.stored_k(kx)  # (a tiled weight's K padded to whole chunks: x is read as zeros past kx)
     cfg = launch.cfg
+    if cfg.ws:
+        return _grouped_ws(launch, a, a_div, weight, scale, global_scale, zero_point, bias, spec, align, pairs, route)
     if cfg.xpad != (k != kx):
         raise ValueError(f"wo_mma: a launch {'with' if cfg.xpad else 'without'} xpad for x of {kx} columns and K = {k}")
     direct = isinstance(align, torch.Tensor)
@@ -280,6 +282,54 @@ def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, globa
                                  sorted_ids, block_expert, route, pairs, a_div, ctypes.c_longlong(w.numel() // e),
                                  s.numel() // e, z.numel() // e if z is not None else 0, rh, mode, e, int(ready),
                                  ctypes.c_float(alpha), ctypes.c_float(limit), kx])
+    return rows
+
+
+def gathered_rows(a: torch.Tensor, a_div: int, sorted_ids: torch.Tensor, pairs: int, k: int) -> torch.Tensor:
+    """[slots, k] in a's dtype: row j is a[sorted_ids[j] // a_div] (zero columns from a's width to ``k``), a zero row
+    where the slot holds no pair (sorted_ids[j] >= ``pairs``). Device ops only (no host sync)."""
+    valid = sorted_ids < pairs
+    rows = a.index_select(0, torch.where(valid, sorted_ids // a_div, 0))
+    rows = rows * valid.unsqueeze(1).to(rows.dtype)
+    return rows if k == a.shape[1] else torch.nn.functional.pad(rows, (0, k - a.shape[1]))
+
+
+def _grouped_ws(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, global_scale, zero_point, bias,
+                spec: WeightSpec, align, pairs: int, route: torch.Tensor | None) -> torch.Tensor:
+    """:func:`grouped` on the warp-specialized build: each block's x rows gathered first (:func:`gathered_rows`),
+    read by TMA at the block's row offset (XNAT) or rearranged per block by x_prep."""
+    if isinstance(align, torch.Tensor):
+        raise ValueError("wo_mma: the grouped warp-specialized build takes moe_align's blocks, not the pairs' ids")
+    cfg, idx = launch.cfg, cuda_driver.device_index(a.device)
+    e, n, _ = weight.shape
+    k, bm = spec.stored_k(a.shape[1]), cfg.mt * 8
+    sorted_ids, block_expert = align
+    blocks = block_expert.numel()
+    rows = torch.empty((pairs, n), dtype=torch.float32, device=a.device)
+    if blocks == 0:
+        return rows
+    xg = gathered_rows(a.contiguous(), a_div, sorted_ids, pairs, k)
+    _, w, s, ss, z, b = operands(xg, weight, scale, zero_point, bias, spec)
+    gs = global_scale.float().reshape(e).contiguous() if global_scale is not None else None
+    rh = 0
+    if route is not None:
+        rh = int(route.dtype == a.dtype)
+        route = route.contiguous() if rh or route.dtype == torch.float32 else route.float().contiguous()
+    if launch.x_input == "tma":
+        xmap = cuda_driver.tensor_map_2d(xg, 64, bm)
+    else:  # x as the B operand, per block and chunk (x_prep over grid y = the blocks)
+        kpc = chunk_k(spec)
+        xp = torch.empty(blocks * k * bm, dtype=xg.dtype, device=xg.device)
+        tasks = (k // kpc) * bm * (kpc // 32)
+        cuda_driver.launch(_kernel(cfg, idx, "x_prep"), (-(-tasks // 256), blocks, 1), (256, 1, 1), 0, cfg.pdl,
+                           [xg, xp, bm, k])
+        xg, xmap = xp, (ctypes.c_ulonglong * 16)()
+    kern = cuda_driver.with_shared_memory(_kernel(cfg, idx), launch.smem)
+    cuda_driver.launch(kern, (launch.cols, launch.split, blocks), (cfg.threads, 1, 1), launch.smem, cfg.pdl,
+                       [xg, w, s, z if z is not None else rows, gs if gs is not None else rows,
+                        b if b is not None else rows, rows, rows, rows, bm, n, k, ss, launch.cps, xmap, sorted_ids,
+                        block_expert, route, pairs, ctypes.c_longlong(w.numel() // e), s.numel() // e,
+                        z.numel() // e if z is not None else 0, rh, e])
     return rows
 
 
