@@ -850,6 +850,17 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
 #endif
 }
 
+// The grouped builds: the weight, scale, zero-point, global-scale and bias pointers of expert `ex` (per-expert strides
+// wse, sse, zse in elements).
+#define TO_EXPERT(ex)                                                             \
+  do {                                                                            \
+    w += (size_t)(ex) * wse;                                                      \
+    s = (const unsigned char*)s + (size_t)(ex) * sse * (SK == SK_FP32 ? 4 : 1);   \
+    if (HAS_ZP) zp += (size_t)(ex) * zse;                                         \
+    if (HAS_GS) gs += (ex);                                                       \
+    if (HAS_BIAS) bias += (size_t)(ex) * N;                                       \
+  } while (0)
+
 #if MINB > 1
 #define LBOUNDS __launch_bounds__(NTHR, MINB)
 #else
@@ -896,17 +907,7 @@ WO_MMA_KERNEL {
     gex = bexp[blockIdx.z];
   }
   if (gex < 0) return;  // (every CTA of a cluster: one block)
-  w += (size_t)gex * wse;
-  s = (const unsigned char*)s + (size_t)gex * sse * (SK == SK_FP32 ? 4 : 1);
-#if HAS_ZP
-  zp += (size_t)gex * zse;
-#endif
-#if HAS_GS
-  gs += gex;
-#endif
-#if HAS_BIAS
-  bias += (size_t)gex * N;
-#endif
+  TO_EXPERT(gex);
   if (threadIdx.x < MT * 8)
     gpair[threadIdx.x] = direct ? (threadIdx.x ? pairs : (int)blockIdx.z) : sids[blockIdx.z * (MT * 8) + threadIdx.x];
   __syncthreads();
@@ -1320,17 +1321,7 @@ WO_MMA_KERNEL {
   __shared__ int gpair[MT * 8];
   const int gex = bexp[blockIdx.z];
   if (gex < 0 || gex >= nexp) return;  // (every CTA of a cluster: one block)
-  w += (size_t)gex * wse;
-  s = (const unsigned char*)s + (size_t)gex * sse * (SK == SK_FP32 ? 4 : 1);
-#if HAS_ZP
-  zp += (size_t)gex * zse;
-#endif
-#if HAS_GS
-  gs += gex;
-#endif
-#if HAS_BIAS
-  bias += (size_t)gex * N;
-#endif
+  TO_EXPERT(gex);
   if (threadIdx.x < MT * 8) gpair[threadIdx.x] = sids[blockIdx.z * (MT * 8) + threadIdx.x];
   const int xrow0 = blockIdx.z * (MT * 8);
 #else
