@@ -208,18 +208,35 @@ def run(launch: MmaLaunch, x2: torch.Tensor, weight, scale, global_scale, zero_p
     if launch.x_input == "tma":  # x loaded as it is by TMA (wo_mma.cu: XNAT), boxes of 64 k x the token tiles
         tail = [cuda_driver.tensor_map_2d(x2, 64, cfg.mt * 8)]
     elif launch.x_input == "x_prep":  # x as the B operand, chunk by chunk (wo_mma.cu: x_prep)
-        kpc = chunk_k(spec)
-        xp = torch.empty((k // kpc) * cfg.mt * 8 * kpc, dtype=x2.dtype, device=x2.device)
-        tasks = (k // kpc) * cfg.mt * 8 * (kpc // 32)
-        cuda_driver.launch(_kernel(cfg, idx, "x_prep"), (-(-tasks // 256), 1, 1), (256, 1, 1), 0, cfg.pdl,
-                           [x2, xp, m, k])
-        x2 = xp
+        x2 = _x_prepped(cfg, idx, x2, m, k, spec)
     kern = cuda_driver.with_shared_memory(_kernel(cfg, idx), launch.smem)
     cuda_driver.launch(kern, launch.grid, (cfg.threads, 1, 1), launch.smem, cfg.pdl,
                        [x2, w, s, z if z is not None else dummy,
                         global_scale.float().reshape(1) if global_scale is not None else dummy,
                         b if b is not None else dummy, out, part, counters, m, n, k, ss, launch.cps, *tail])
     return out
+
+
+def _x_prepped(cfg: MmaConfig, idx: int, x: torch.Tensor, m: int, k: int, spec: WeightSpec,
+               blocks: int = 1) -> torch.Tensor:
+    """x_prep's launch: x ([blocks * m, k], blocks of m <= 8 MT rows) as the B operand of the warp-specialized build,
+    chunk by chunk and block by block (grid y)."""
+    kpc = chunk_k(spec)
+    xp = torch.empty(blocks * k * cfg.mt * 8, dtype=x.dtype, device=x.device)
+    tasks = (k // kpc) * cfg.mt * 8 * (kpc // 32)
+    cuda_driver.launch(_kernel(cfg, idx, "x_prep"), (-(-tasks // 256), blocks, 1), (256, 1, 1), 0, cfg.pdl,
+                       [x, xp, m, k])
+    return xp
+
+
+def _per_expert(a: torch.Tensor, global_scale, route: torch.Tensor | None, e: int) -> tuple:
+    """(global scales [E] fp32 or None, router weights as the grouped builds read them (fp32, or of a's 16-bit dtype
+    as they are), rh: 1 where they are of a's dtype)."""
+    gs = global_scale.float().reshape(e).contiguous() if global_scale is not None else None
+    if route is None:
+        return gs, None, 0
+    rh = int(route.dtype == a.dtype)
+    return gs, route.contiguous() if rh or route.dtype == torch.float32 else route.float().contiguous(), rh
 
 
 def grouped_launch(x_dtype: torch.dtype, device: torch.device, weight, global_scale, zero_point, bias,
@@ -265,11 +282,7 @@ def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, globa
     if blocks == 0:
         return rows
     a, w, s, ss, z, b = operands(a.contiguous(), weight, scale, zero_point, bias, spec)
-    gs = global_scale.float().reshape(e).contiguous() if global_scale is not None else None
-    rh = 0
-    if route is not None:
-        rh = int(route.dtype == a.dtype)
-        route = route.contiguous() if rh or route.dtype == torch.float32 else route.float().contiguous()
+    gs, route, rh = _per_expert(a, global_scale, route, e)
     if direct:
         ids = align.contiguous()
         sorted_ids, block_expert, mode = rows, ids, 2 if ids.dtype == torch.int64 else 1
@@ -310,20 +323,11 @@ def _grouped_ws(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, g
         return rows
     xg = gathered_rows(a.contiguous(), a_div, sorted_ids, pairs, k)
     _, w, s, ss, z, b = operands(xg, weight, scale, zero_point, bias, spec)
-    gs = global_scale.float().reshape(e).contiguous() if global_scale is not None else None
-    rh = 0
-    if route is not None:
-        rh = int(route.dtype == a.dtype)
-        route = route.contiguous() if rh or route.dtype == torch.float32 else route.float().contiguous()
+    gs, route, rh = _per_expert(a, global_scale, route, e)
     if launch.x_input == "tma":
         xmap = cuda_driver.tensor_map_2d(xg, 64, bm)
-    else:  # x as the B operand, per block and chunk (x_prep over grid y = the blocks)
-        kpc = chunk_k(spec)
-        xp = torch.empty(blocks * k * bm, dtype=xg.dtype, device=xg.device)
-        tasks = (k // kpc) * bm * (kpc // 32)
-        cuda_driver.launch(_kernel(cfg, idx, "x_prep"), (-(-tasks // 256), blocks, 1), (256, 1, 1), 0, cfg.pdl,
-                           [xg, xp, bm, k])
-        xg, xmap = xp, (ctypes.c_ulonglong * 16)()
+    else:  # x as the B operand, per block and chunk
+        xg, xmap = _x_prepped(cfg, idx, xg, bm, k, spec, blocks), (ctypes.c_ulonglong * 16)()
     kern = cuda_driver.with_shared_memory(_kernel(cfg, idx), launch.smem)
     cuda_driver.launch(kern, (launch.cols, launch.split, blocks), (cfg.threads, 1, 1), launch.smem, cfg.pdl,
                        [xg, w, s, z if z is not None else rows, gs if gs is not None else rows,
