@@ -90,7 +90,8 @@ BACKENDS = ("reference", "triton")
 # bf16 GEMMs) runs the layer: the dense op's switch (wo_gemm.WO_MAX_M of int4 / int8).
 DEQUANT_ROWS = 128
 # Rows per active expert up to which the rule takes wo_mma's grouped build on CUDA (two 8-token tiles: where it beats
-# the Triton kernel on tiled experts; the figures are in docs/kernels-moe.md).
+# the Triton kernel on tiled experts; the figures are in docs/kernels-moe.md). Blocks of 32 to 128 slots (the
+# warp-specialized build) run where a measured choice says so.
 MMA_MAX_ROWS = 16
 PROJECTIONS = ("gate/up projection w13", "down projection w2")
 # activation name (without _no_mul) -> the fused MoE kernels' activation code (moe_kernels._act_fn, _epilogue)
@@ -244,8 +245,9 @@ def wo_moe_triton(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: s
     if launches:
         from .wo_mma import grouped
 
-        # one token: each pair is a block of its own (no sort launch; a top-k's experts are distinct)
-        align = flat_ids if t == 1 else moe_align(flat_ids, e, mma["block_m"])
+        # one token: each pair is a block of its own (no sort launch; a top-k's experts are distinct), except on
+        # the warp-specialized build (blocks above 16 slots), which gathers each block's rows
+        align = flat_ids if t == 1 and not launches[0].cfg.ws else moe_align(flat_ids, e, mma["block_m"])
         _, alpha, limit = split_activation(activation)
         a = grouped(launches[0], x, a_div, *w13[:4], b13, spec.weight, align, pairs, None, alpha=alpha, limit=limit)
         if not launches[0].cfg.gact:
@@ -319,7 +321,7 @@ CONFIG_FLAGS = ("SCALE_PREFETCH", "X_PERMUTED")
 NO_DEQUANT = 1 << 62  # dequant_rows that keeps every call on the grouped kernel
 
 
-MMA_BLOCK_M = (8, 16)
+MMA_BLOCK_M = (8, 16, 32, 64, 128)  # above 16: the warp-specialized build (sm_90, tiled experts)
 # one grouped wo_mma GEMM's launch: warps per CTA, K split, warps per 16-row tile, tiles per warp (group), and whether
 # the next kernel may launch from the start (wo_policy.grouped_launch's trig)
 MMA_AXES = {"warps": (4, 8, 16), "split": (1, 2, 3, 4, 6, 8), "kw": (1, 2, 4), "rt": (1, 2), "trig": (False, True)}

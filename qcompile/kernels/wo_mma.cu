@@ -48,6 +48,9 @@
 //    reduced in a cluster only. For one token the pairs' expert ids stand in for the sort (`direct`: block z is
 //    pair z). With `ready` (the sort was complete when the kernel launched) the block's weights are requested
 //    before griddepcontrol.wait, as in the dense build.
+//    With WS (blocks of 32 to 128 pair slots): x is the gathered rows of the blocks ([blocks * 8 MT, K], block z's
+//    rows from 8 MT z, zero rows for padding slots; loaded by TMA at that row offset, or x_prep's per-block B
+//    layout), the sort complete at launch (the gather ran in between), a split reduced in a cluster only.
 //    GACT (a gated activation fused into GEMM 1): each CTA takes TPC / 2 16-row tiles of the gate rows and the
 //    same tiles of the up rows (row I + n for gate row n, I = N / 2); after the main loop (and the cluster's
 //    reduction of a split) it applies the activation to each (gate, up) pair of outputs and writes the
@@ -124,8 +127,8 @@ typedef unsigned short u16;
 #ifndef GROUPED
 #define GROUPED 0
 #endif
-#if GROUPED && (WGMMA || WS || XS)
-#error "GROUPED: the mma.sync build with x staged"
+#if GROUPED && (XS || (WGMMA && !WS))
+#error "GROUPED: the mma.sync build with x staged, or the warp-specialized build"
 #endif
 #ifndef GACT
 #define GACT 0
@@ -133,10 +136,10 @@ typedef unsigned short u16;
 #ifndef XPAD
 #define XPAD 0
 #endif
-#if XPAD && !GROUPED
-#error "XPAD: the grouped build"
+#if XPAD && (!GROUPED || WS)
+#error "XPAD: the grouped mma.sync build"
 #endif
-#if GACT && (!GROUPED || (WARPS / KW) % 2)
+#if GACT && (!GROUPED || WS || (WARPS / KW) % 2)
 #error "GACT: the grouped build with an even number of tile groups (half gate, half up tiles)"
 #endif
 #define BITS ((FMT == FMT_INT4 || FMT == FMT_E2M1) ? 4 : 8)
@@ -441,18 +444,20 @@ __device__ __forceinline__ void mbar_expect_tx(u32 a, u32 bytes) {
 // on zeros. That is wgmma's K-major 128B-swizzle layout (wg_desc_sw128), and rows that ldmatrix reads without bank
 // conflicts (XS). A chunk is KPC / 64 boxes.
 #define XBOX (MT * 8 * 128)
-__device__ __forceinline__ void tma_load_x(u32 dst, const void* map, int k0, u32 bar, unsigned long long pol) {
+__device__ __forceinline__ void tma_load_x(u32 dst, const void* map, int k0, int row0, u32 bar,
+                                           unsigned long long pol) {
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
                " [%0], [%1, {%2, %3}], [%4], %5;"
-               ::"r"(dst), "l"(map), "r"(k0), "r"(0), "r"(bar), "l"(pol) : "memory");
+               ::"r"(dst), "l"(map), "r"(k0), "r"(row0), "r"(bar), "l"(pol) : "memory");
 }
-// Chunk `ch` of x into `slot` (one chunk of MT * 8 rows) by lane 0 of the calling warp, counted in bytes on mbarrier
+// Chunk `ch` of x's MT * 8 rows from `row0` into `slot` by lane 0 of the calling warp, counted in bytes on mbarrier
 // `full` (lane 0's expect_tx is its one arrival).
-__device__ __forceinline__ void tma_fill_x(u32 slot, u32 full, const TMap* map, int ch, unsigned long long pol) {
+__device__ __forceinline__ void tma_fill_x(u32 slot, u32 full, const TMap* map, int ch, unsigned long long pol,
+                                           int row0 = 0) {
   if ((threadIdx.x & 31) == 0) {
     mbar_expect_tx(full, MT * 8 * KPC * 2);
 #pragma unroll
-    for (int b = 0; b < KPC / 64; b++) tma_load_x(slot + b * XBOX, map, ch * KPC + b * 64, full, pol);
+    for (int b = 0; b < KPC / 64; b++) tma_load_x(slot + b * XBOX, map, ch * KPC + b * 64, row0, full, pol);
   }
 }
 #endif
@@ -845,6 +850,17 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
 #endif
 }
 
+// The grouped builds: the weight, scale, zero-point, global-scale and bias pointers of expert `ex` (per-expert strides
+// wse, sse, zse in elements).
+#define TO_EXPERT(ex)                                                             \
+  do {                                                                            \
+    w += (size_t)(ex) * wse;                                                      \
+    s = (const unsigned char*)s + (size_t)(ex) * sse * (SK == SK_FP32 ? 4 : 1);   \
+    if (HAS_ZP) zp += (size_t)(ex) * zse;                                         \
+    if (HAS_GS) gs += (ex);                                                       \
+    if (HAS_BIAS) bias += (size_t)(ex) * N;                                       \
+  } while (0)
+
 #if MINB > 1
 #define LBOUNDS __launch_bounds__(NTHR, MINB)
 #else
@@ -857,7 +873,10 @@ __device__ __forceinline__ void store_out(float (&acc)[RT * MT][4], bool active,
       const ZP_T* __restrict__ zp, const float* __restrict__ gs, const u16* __restrict__ bias,        \
       u16* __restrict__ out, float* __restrict__ part, int* __restrict__ counters, int M, int N, int K, \
       int ss, int cps WO_MMA_TAIL)
-#if (WS || XS) && XNAT  // (the builds that load x by TMA on natural-order tiles: x's tensor map)
+#if WS && GROUPED  // x's tensor map (XNAT; else unused), the token sort's blocks, router weights, expert strides
+#define WO_MMA_TAIL , const __grid_constant__ TMap xmap, const int* __restrict__ sids, const int* __restrict__ bexp, \
+    const void* __restrict__ route, int pairs, long long wse, int sse, int zse, int rh, int nexp
+#elif (WS || XS) && XNAT  // (the builds that load x by TMA on natural-order tiles: x's tensor map)
 #define WO_MMA_TAIL , const __grid_constant__ TMap xmap
 #elif GROUPED  // the token sort's blocks, router weights, x rows per pair and the per-expert strides (elements)
 #define WO_MMA_TAIL , const int* __restrict__ sids, const int* __restrict__ bexp, const void* __restrict__ route, \
@@ -888,17 +907,7 @@ WO_MMA_KERNEL {
     gex = bexp[blockIdx.z];
   }
   if (gex < 0) return;  // (every CTA of a cluster: one block)
-  w += (size_t)gex * wse;
-  s = (const unsigned char*)s + (size_t)gex * sse * (SK == SK_FP32 ? 4 : 1);
-#if HAS_ZP
-  zp += (size_t)gex * zse;
-#endif
-#if HAS_GS
-  gs += gex;
-#endif
-#if HAS_BIAS
-  bias += (size_t)gex * N;
-#endif
+  TO_EXPERT(gex);
   if (threadIdx.x < MT * 8)
     gpair[threadIdx.x] = direct ? (threadIdx.x ? pairs : (int)blockIdx.z) : sids[blockIdx.z * (MT * 8) + threadIdx.x];
   __syncthreads();
@@ -1267,8 +1276,11 @@ WO_MMA_KERNEL {
 // tokens M .. 8 MT - 1 zero. Task t: unit t % UNITS, token (t / UNITS) % (8 MT), chunk
 // t / (8 MT UNITS): the 4 tasks of a token read 64 consecutive bytes of each of its 4 runs, and for
 // each unit the 8 tokens of a core matrix write its 128 consecutive bytes.
+// GROUPED: grid y runs over the blocks, block y's M rows from row M y of x, its chunks from chunk (K / KPC) y of xp.
 extern "C" __global__ void __launch_bounds__(256) x_prep(const u16* __restrict__ x, u16* __restrict__ xp, int M,
                                                          int K) {
+  x += (size_t)blockIdx.y * M * K;
+  xp += (size_t)blockIdx.y * K * MT * 8;
 #if PDL && __CUDA_ARCH__ >= 900
 #if TRIG
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -1303,6 +1315,20 @@ WO_MMA_KERNEL {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane >> 2, q = lane & 3;
   const int nch = K / KPC, c0 = blockIdx.y * cps, nc = min(cps, nch - c0);
+#if GROUPED
+  // block z of the token sort (complete at launch: the gather of x's rows ran in between): its expert's weights,
+  // scales, zero points, global scale and bias; its pairs' rows of x from row 8 MT z (x_prep: chunk nch z on)
+  __shared__ int gpair[MT * 8];
+  const int gex = bexp[blockIdx.z];
+  if (gex < 0 || gex >= nexp) return;  // (every CTA of a cluster: one block)
+  TO_EXPERT(gex);
+  if (threadIdx.x < MT * 8) gpair[threadIdx.x] = sids[blockIdx.z * (MT * 8) + threadIdx.x];
+  const int xrow0 = blockIdx.z * (MT * 8);
+#else
+  const int* gpair = 0;
+  const int pairs = 0, rh = 0, xrow0 = 0;
+  const void* route = 0;
+#endif
   const int ntile = N / 16, tile0 = blockIdx.x * WARPS;
   // (XNAT: the x slots 1024-byte aligned, the swizzle's period)
   const u32 wring = smem_addr(xs), xring = XNAT ? (wring + NSTG * WSTAGE + 1023) & ~1023u : wring + NSTG * WSTAGE;
@@ -1361,11 +1387,11 @@ WO_MMA_KERNEL {
     for (int i = 0; i < nc; i++) {  // the whole warp waits, lane 0 copies
       const int st = i % XSTAGES;
       if (i >= XSTAGES) mbar_wait(xempty + 8 * st, ((i / XSTAGES) - 1) & 1);
-      tma_fill_x(xring + st * XBUF, xfull + 8 * st, &xmap, c0 + i, pol);
+      tma_fill_x(xring + st * XBUF, xfull + 8 * st, &xmap, c0 + i, pol, xrow0);
       __syncwarp();
     }
 #else
-    const unsigned char* xc = (const unsigned char*)x + (size_t)c0 * XBUF;
+    const unsigned char* xc = (const unsigned char*)x + ((size_t)(xrow0 / (MT * 8)) * nch + c0) * XBUF;
     for (int i = 0; i < nc; i++) {  // the whole warp waits, lane 0 copies
       const int st = i % XSTAGES;
       if (i >= XSTAGES) mbar_wait(xempty + 8 * st, ((i / XSTAGES) - 1) & 1);
@@ -1437,6 +1463,6 @@ WO_MMA_KERNEL {
 #endif
   asm volatile("griddepcontrol.wait;" ::: "memory");  // before any output, partial or counter
 #endif
-  store_out(acc, active, warp, n0, gs, bias, out, part, counters, M, N, xs, 0, 0, 0, 0);
+  store_out(acc, active, warp, n0, gs, bias, out, part, counters, M, N, xs, gpair, pairs, route, rh);
 }
 #endif  // WS

@@ -208,18 +208,35 @@ def run(launch: MmaLaunch, x2: torch.Tensor, weight, scale, global_scale, zero_p
     if launch.x_input == "tma":  # x loaded as it is by TMA (wo_mma.cu: XNAT), boxes of 64 k x the token tiles
         tail = [cuda_driver.tensor_map_2d(x2, 64, cfg.mt * 8)]
     elif launch.x_input == "x_prep":  # x as the B operand, chunk by chunk (wo_mma.cu: x_prep)
-        kpc = chunk_k(spec)
-        xp = torch.empty((k // kpc) * cfg.mt * 8 * kpc, dtype=x2.dtype, device=x2.device)
-        tasks = (k // kpc) * cfg.mt * 8 * (kpc // 32)
-        cuda_driver.launch(_kernel(cfg, idx, "x_prep"), (-(-tasks // 256), 1, 1), (256, 1, 1), 0, cfg.pdl,
-                           [x2, xp, m, k])
-        x2 = xp
+        x2 = _x_prepped(cfg, idx, x2, m, k, spec)
     kern = cuda_driver.with_shared_memory(_kernel(cfg, idx), launch.smem)
     cuda_driver.launch(kern, launch.grid, (cfg.threads, 1, 1), launch.smem, cfg.pdl,
                        [x2, w, s, z if z is not None else dummy,
                         global_scale.float().reshape(1) if global_scale is not None else dummy,
                         b if b is not None else dummy, out, part, counters, m, n, k, ss, launch.cps, *tail])
     return out
+
+
+def _x_prepped(cfg: MmaConfig, idx: int, x: torch.Tensor, m: int, k: int, spec: WeightSpec,
+               blocks: int = 1) -> torch.Tensor:
+    """x_prep's launch: x ([blocks * m, k], blocks of m <= 8 MT rows) as the B operand of the warp-specialized build,
+    chunk by chunk and block by block (grid y)."""
+    kpc = chunk_k(spec)
+    xp = torch.empty(blocks * k * cfg.mt * 8, dtype=x.dtype, device=x.device)
+    tasks = (k // kpc) * cfg.mt * 8 * (kpc // 32)
+    cuda_driver.launch(_kernel(cfg, idx, "x_prep"), (-(-tasks // 256), blocks, 1), (256, 1, 1), 0, cfg.pdl,
+                       [x, xp, m, k])
+    return xp
+
+
+def _per_expert(a: torch.Tensor, global_scale, route: torch.Tensor | None, e: int) -> tuple:
+    """(global scales [E] fp32 or None, router weights as the grouped builds read them (fp32, or of a's 16-bit dtype
+    as they are), rh: 1 where they are of a's dtype)."""
+    gs = global_scale.float().reshape(e).contiguous() if global_scale is not None else None
+    if route is None:
+        return gs, None, 0
+    rh = int(route.dtype == a.dtype)
+    return gs, route.contiguous() if rh or route.dtype == torch.float32 else route.float().contiguous(), rh
 
 
 def grouped_launch(x_dtype: torch.dtype, device: torch.device, weight, global_scale, zero_point, bias,
@@ -254,6 +271,8 @@ def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, globa
     kx = a.shape[1]
     k = spec.stored_k(kx)  # (a tiled weight's K padded to whole chunks: x is read as zeros past kx)
     cfg = launch.cfg
+    if cfg.ws:
+        return _grouped_ws(launch, a, a_div, weight, scale, global_scale, zero_point, bias, spec, align, pairs, route)
     if cfg.xpad != (k != kx):
         raise ValueError(f"wo_mma: a launch {'with' if cfg.xpad else 'without'} xpad for x of {kx} columns and K = {k}")
     direct = isinstance(align, torch.Tensor)
@@ -263,11 +282,7 @@ def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, globa
     if blocks == 0:
         return rows
     a, w, s, ss, z, b = operands(a.contiguous(), weight, scale, zero_point, bias, spec)
-    gs = global_scale.float().reshape(e).contiguous() if global_scale is not None else None
-    rh = 0
-    if route is not None:
-        rh = int(route.dtype == a.dtype)
-        route = route.contiguous() if rh or route.dtype == torch.float32 else route.float().contiguous()
+    gs, route, rh = _per_expert(a, global_scale, route, e)
     if direct:
         ids = align.contiguous()
         sorted_ids, block_expert, mode = rows, ids, 2 if ids.dtype == torch.int64 else 1
@@ -280,6 +295,45 @@ def grouped(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, globa
                                  sorted_ids, block_expert, route, pairs, a_div, ctypes.c_longlong(w.numel() // e),
                                  s.numel() // e, z.numel() // e if z is not None else 0, rh, mode, e, int(ready),
                                  ctypes.c_float(alpha), ctypes.c_float(limit), kx])
+    return rows
+
+
+def gathered_rows(a: torch.Tensor, a_div: int, sorted_ids: torch.Tensor, pairs: int, k: int) -> torch.Tensor:
+    """[slots, k] in a's dtype: row j is a[sorted_ids[j] // a_div] (zero columns from a's width to ``k``), a zero row
+    where the slot holds no pair (sorted_ids[j] >= ``pairs``). Device ops only (no host sync)."""
+    valid = sorted_ids < pairs
+    rows = a.index_select(0, torch.where(valid, sorted_ids // a_div, 0))
+    rows = rows * valid.unsqueeze(1).to(rows.dtype)
+    return rows if k == a.shape[1] else torch.nn.functional.pad(rows, (0, k - a.shape[1]))
+
+
+def _grouped_ws(launch: MmaLaunch, a: torch.Tensor, a_div: int, weight, scale, global_scale, zero_point, bias,
+                spec: WeightSpec, align, pairs: int, route: torch.Tensor | None) -> torch.Tensor:
+    """:func:`grouped` on the warp-specialized build: each block's x rows gathered first (:func:`gathered_rows`),
+    read by TMA at the block's row offset (XNAT) or rearranged per block by x_prep."""
+    if isinstance(align, torch.Tensor):
+        raise ValueError("wo_mma: the grouped warp-specialized build takes moe_align's blocks, not the pairs' ids")
+    cfg, idx = launch.cfg, cuda_driver.device_index(a.device)
+    e, n, _ = weight.shape
+    k, bm = spec.stored_k(a.shape[1]), cfg.mt * 8
+    sorted_ids, block_expert = align
+    blocks = block_expert.numel()
+    rows = torch.empty((pairs, n), dtype=torch.float32, device=a.device)
+    if blocks == 0:
+        return rows
+    xg = gathered_rows(a.contiguous(), a_div, sorted_ids, pairs, k)
+    _, w, s, ss, z, b = operands(xg, weight, scale, zero_point, bias, spec)
+    gs, route, rh = _per_expert(a, global_scale, route, e)
+    if launch.x_input == "tma":
+        xmap = cuda_driver.tensor_map_2d(xg, 64, bm)
+    else:  # x as the B operand, per block and chunk
+        xg, xmap = _x_prepped(cfg, idx, xg, bm, k, spec, blocks), (ctypes.c_ulonglong * 16)()
+    kern = cuda_driver.with_shared_memory(_kernel(cfg, idx), launch.smem)
+    cuda_driver.launch(kern, (launch.cols, launch.split, blocks), (cfg.threads, 1, 1), launch.smem, cfg.pdl,
+                       [xg, w, s, z if z is not None else rows, gs if gs is not None else rows,
+                        b if b is not None else rows, rows, rows, rows, bm, n, k, ss, launch.cps, xmap, sorted_ids,
+                        block_expert, route, pairs, ctypes.c_longlong(w.numel() // e), s.numel() // e,
+                        z.numel() // e if z is not None else 0, rh, e])
     return rows
 
 

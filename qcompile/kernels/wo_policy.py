@@ -119,7 +119,7 @@ class MmaConfig:
     rt: int = 1  # mma.sync: 16-row tiles per warp (group of kw warps), sharing each x fragment load
     xf16: bool = False  # fp16 x and output, else bf16
     xs: bool = False  # mma.sync, sm_90: x streamed through a ring of `xstages` chunks per K part, not staged first
-    grouped: bool = False  # mma.sync, x staged: an MoE layer's routed experts, one token-sort block per grid z
+    grouped: bool = False  # an MoE layer's routed experts, one token-sort block per grid z (mma.sync x staged, or ws)
     gact: int = 0  # grouped: the gated activation fused (moe_wo.ACT_CODES: the gate tiles and the up tiles in a CTA)
     xpad: bool = False  # grouped: x's rows narrower than K (a tiled weight's K padded to whole chunks), zeros past them
 
@@ -578,6 +578,10 @@ def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | No
     padded to whole chunks; the build reads zeros past them). Its grid's third dimension is the token sort's block
     count, given at the launch."""
     spec, m, n, k = call.spec, call.m, call.n, call.k
+    if m > GROUPED_MMA_MAX_M:
+        if kw > 1 or rt > 1 or gact:  # (x's rows are gathered and padded to K first: xpad needs nothing)
+            return None
+        return grouped_ws_launch(gpu, call, active, pdl, warps, split, max_cluster, trig)
     stages = LAUNCH[spec.tiled][0]
     bits, warps, most = spec.dtype.bits, warps or MMA_WARPS, max_cluster if gpu.capability[0] >= 9 else 1
     nch = k // KPC[bits]
@@ -596,6 +600,40 @@ def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | No
                     cluster=split if split > 1 else 1, pdl=pdl, trig=trig and pdl, xf16=call.xf16, grouped=True, kw=kw,
                     rt=rt, gact=gact, xpad=xpad)
     return MmaLaunch(cfg, -(-(n // 16) // cfg.tiles), split, cps, smem_bytes(m, cps, cfg))
+
+
+GROUPED_MMA_MAX_M = 16  # pair slots per block of the grouped mma.sync build; above, the warp-specialized build
+SM90_SMEM_PER_CTA = 227 * 1024  # dynamic shared memory one CTA may use on sm_90
+
+
+def grouped_ws_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | None = None,
+                      split: int | None = None, max_cluster: int = MAX_CLUSTER, trig: bool = False) -> MmaLaunch | None:
+    """The grouped launch of the warp-specialized wgmma build (sm_90, tiled weights) for blocks of ``call.m`` pair
+    slots (a multiple of 8, up to :data:`WGMMA_MAX_M`): the dense build's CTA (:func:`ws_launch` on one block's
+    N) and the split that gives about ``active`` busy blocks that many CTAs per SM, reduced in a thread-block
+    cluster (at most ``max_cluster``); None elsewhere or where the rings exceed a CTA's shared memory."""
+    spec, m, n, k = call.spec, call.m, call.n, call.k
+    if gpu.capability[0] != 9 or not spec.tiled or m % 8 or m > WGMMA_MAX_M:
+        return None
+    d_warps, per_sm = ws_launch(m, n, gpu.sms, spec.dtype)
+    warps = warps or d_warps
+    if warps % 4:
+        return None
+    nch = k // KPC[spec.dtype.bits]
+    cols = -(-(n // 16) // warps)
+    if split is None:
+        split = max(1, min(max_cluster, round(per_sm * gpu.sms / (cols * max(active, 1))), nch))
+    cps = -(-nch // split)
+    split = -(-nch // cps)
+    if split > max_cluster:
+        return None
+    smode, group = scale_mode(spec, True)
+    cfg = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, call.zp_t is not None,
+                    call.zp_t or "int", call.has_gs, call.has_bias, m // 8, 2, warps, True,
+                    cluster=split if split > 1 else 1, pdl=pdl, wgmma=True, xstages=3 if warps >= 16 else 4,
+                    ws=True, trig=trig and pdl, xf16=call.xf16, grouped=True)
+    smem = smem_bytes(m, cps, cfg)
+    return MmaLaunch(cfg, cols, split, cps, smem) if smem <= SM90_SMEM_PER_CTA else None
 
 
 # -- the decision ----------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from qcompile.kernels import registry
 from qcompile.kernels.experts_ref import reference_experts
 from qcompile.kernels.registry import KernelQuery
 from qcompile.kernels.wo_mma import mma_reason
-from qcompile.kernels import quant_math
+from qcompile.kernels import quant_math, wo_policy
 from qcompile.scheme import (MXFP4_WEIGHT, MXFP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, Granularity, Packing, QDtype,
                              QuantScheme, ScaleDtype, canonical_shape, fp8_scheme, mx_act)
 from tests.kernels.test_wo_gemm import SPECS, _int, rtn_quantize
@@ -452,6 +452,21 @@ def test_tune_call_descends_the_grouped_mma_launches(on_gpu_tables, monkeypatch)
     assert mw._mma_choice(mma) and not mw._mma_choice({"block_m": 8, "gemm1": {"kw": True}})
 
 
+def test_gathered_rows_of_the_sorted_blocks():
+    """The grouped warp-specialized build's x: row j is the row of the pair in slot j (pair // a_div), zero where the
+    slot holds no pair, zero columns up to a padded K; the result's bits are the source rows'."""
+    from qcompile.kernels.wo_mma import gathered_rows
+
+    a = torch.randn(5, 24, dtype=torch.bfloat16)
+    sorted_ids = torch.tensor([3, 0, 10, 10, 9, 1, 10, 10], dtype=torch.int32)  # pairs = 10: 10 pads a block
+    got = gathered_rows(a, 2, sorted_ids, 10, 32)
+    assert got.shape == (8, 32) and got.dtype == a.dtype
+    for j, p in enumerate(sorted_ids.tolist()):
+        want = a[p // 2] if p < 10 else torch.zeros(24, dtype=a.dtype)
+        assert torch.equal(got[j, :24], want) and not got[j, 24:].any(), j
+    assert torch.equal(gathered_rows(a, 1, torch.tensor([4, 2], dtype=torch.int32), 5, 24), a[[4, 2]])
+
+
 # -- the Triton kernels under the interpreter (subprocess: TRITON_INTERPRET is read at import) --------
 
 def _cfg(bm, bn, words, split, **kw):
@@ -801,10 +816,13 @@ def test_gpu_cuda_graph_and_determinism(fmt):
         check_gpu(captured, args, f"graph T={t}")
 
 
+MMA_SYNC_BLOCK_M = [bm for bm in mw.MMA_BLOCK_M if bm <= wo_policy.GROUPED_MMA_MAX_M]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [f for f in GPU_FORMATS if not FORMATS[f].act_order])
 def test_gpu_grouped_mma_matches_reference(fmt):
-    """wo_mma's grouped build in blocks of 8 and 16 pair slots, on checkpoint-order and tiled experts (as a GPU
+    """wo_mma's grouped mma.sync build in blocks of 8 and 16 pair slots, on checkpoint-order and tiled experts (as a GPU
     load stores them), against experts_ref: decode token counts, more pairs of one expert than a block holds
     (T = 40), biases, fp16 x, swigluoai, the router weight on the input, router weights in x's dtype, int32 ids and
     another rank's expert ids (one token: its pairs' blocks come from the ids themselves, no sort). Both
@@ -833,7 +851,7 @@ def test_gpu_grouped_mma_matches_reference(fmt):
                 args["top_k_index"] = args["top_k_index"].int()
             x, ids = args["hidden_states"], args["top_k_index"]
             b = (args["w13_bias"], args["w2_bias"])
-            for bm, tiled in itertools.product(mw.MMA_BLOCK_M, layouts):
+            for bm, tiled in itertools.product(MMA_SYNC_BLOCK_M, layouts):
                 s = QuantScheme(dataclasses.replace(spec, tiled=tiled))
                 w13, w2 = projections(args, s)
                 mma = {"block_m": bm}
@@ -841,6 +859,58 @@ def test_gpu_grouped_mma_matches_reference(fmt):
                 out = mw.wo_moe_triton(x, ids, args["top_k_weights"], w13, w2, *b, args["activation"], s,
                                        on_input, mma=mma)
                 check_gpu(out, args, f"{name} block_m={bm} tiled={tiled} T={t} {kw}", on_input)
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [f for f in GPU_FORMATS if not FORMATS[f].act_order])
+def test_gpu_grouped_ws_matches_reference(fmt):
+    """wo_mma's grouped warp-specialized build (sm_90, tiled experts) in blocks of 32, 64 and 128 pair slots
+    against experts_ref: several blocks of one expert (T = 300, top-2 of 8: ~75 rows each) and few rows (T = 20),
+    biases, fp16 x, swigluoai, the router weight on the input, router weights in x's dtype, int32 ids, another
+    rank's expert ids, gpt-oss's K = 2880 padded to 2944; GEMM launches with a split in a cluster, 4 / 8 / 16
+    consumer warps (16 at 64 slots) and the next kernel launched from the start; one case replayed in a CUDA graph
+    on new inputs."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized build is sm_90's")
+    mx = FORMATS[fmt].scale.dtype.name == "E8M0"
+    cases = [(300, {}, False), (20, dict(bias=True), False), (300, dict(activation="swigluoai:1.702:7.0", bias=True),
+             False), (33, {}, True)] + ([] if mx else [(64, dict(dtype=torch.float16, bias=True), False)])
+    launches = ({}, {"gemm1": {"split": 2}, "gemm2": {"split": 4, "trig": True}},
+                {"gemm1": {"warps": 4}, "gemm2": {"warps": 8}}, {"gemm1": {"warps": 16, "trig": True}})
+    s = QuantScheme(dataclasses.replace(FORMATS[fmt], tiled=True))
+    for name, shape in GPU_SHAPES.items():
+        if any(mw.triton_shape_reason(FORMATS[fmt], 0, kk) or mma_reason(s.weight, 0, s.weight.stored_k(kk))
+               for kk in shape[1:3]):
+            continue
+        for seed, (t, kw, on_input) in enumerate(cases):
+            args = gpu_moe(fmt, t, shape, seed=seed, **kw)
+            args["top_k_index"][0, 0], args["top_k_index"][-1, -1] = -1, shape[0]  # another rank's experts
+            if seed % 2 == 0:
+                args["top_k_weights"] = args["top_k_weights"].to(args["hidden_states"].dtype)
+                args["top_k_index"] = args["top_k_index"].int()
+            x, ids, b = args["hidden_states"], args["top_k_index"], (args["w13_bias"], args["w2_bias"])
+            w13, w2 = projections(args, s)
+            for bm, extra in zip((32, 64, 128, 64), launches):
+                mma = {"block_m": bm, **extra}
+                got = mw._mma_launches(x, w13, w2, *b, s, shape[2], mma, ids.numel(), args["activation"])
+                assert mw._mma_choice(mma) and got and all(l.cfg.ws and l.cfg.mt == bm // 8 for l in got), mma
+                out = mw.wo_moe_triton(x, ids, args["top_k_weights"], w13, w2, *b, args["activation"], s, on_input,
+                                       mma=mma)
+                check_gpu(out, args, f"{name} T={t} {kw} {mma}", on_input)
+    args, new = gpu_moe(fmt, 300, GPU_SHAPES["e8-h2048-i1408-k2"], seed=7), gpu_moe(fmt, 300, GPU_SHAPES[
+        "e8-h2048-i1408-k2"], seed=8)
+    w13, w2 = projections(args, s)
+
+    def call():
+        return mw.wo_moe_triton(args["hidden_states"], args["top_k_index"], args["top_k_weights"], w13, w2, None,
+                                None, "silu", s, False, mma={"block_m": 64})
+    first = call()
+    assert torch.equal(first, call()), "two runs differ"
+    captured, _graph = graph_replay(call, lambda: [args[n].copy_(new[n]) for n in ("hidden_states", "top_k_index",
+                                                                                   "top_k_weights")])
+    assert torch.equal(captured, call()), "replay differs from eager"
+    check_gpu(captured, args, "graph")
     torch.cuda.empty_cache()
 
 

@@ -390,8 +390,29 @@ def test_source_compiles_grouped(name):
         wo_mma.compile_cubin(wo_mma.source(replace(cfg, xs=True, packed=True)), "90")
     with pytest.raises(RuntimeError, match="GACT: the grouped build with an even number of tile groups"):
         wo_mma.compile_cubin(wo_mma.source(replace(cfg, gact=1, warps=4, kw=4)), "90")
-    with pytest.raises(RuntimeError, match="XPAD: the grouped build"):
+    with pytest.raises(RuntimeError, match="XPAD: the grouped mma.sync build"):
         wo_mma.compile_cubin(wo_mma.source(replace(cfg, grouped=False, xpad=True)), "90")
+
+
+@pytest.mark.skipif(not NVRTC and not HAS_CUDA, reason="needs an NVRTC library (QCOMPILE_NVRTC) or a GPU")
+@pytest.mark.parametrize("name", MMA_NAMES)
+def test_source_compiles_grouped_ws(name):
+    """The grouped warp-specialized build (MoE blocks of 32 to 128 pair slots, tiled experts): 4, 8 and 16 token
+    tiles, a split in a cluster or none, the next kernel launched from the start; refused with the lock-step wgmma
+    build, a fused activation and XPAD."""
+    spec = SPECS[name]
+    smode, group = wo_policy.scale_mode(spec, True)
+    cfg = wo_policy.MmaConfig(wo_policy.FMT[(spec.dtype, spec.packing)], wo_policy.SK[spec.scale.dtype], smode, group,
+                              spec.zero_point, "int", spec.global_scale, True, 8, stages=2, warps=8, packed=True,
+                              pdl=True, wgmma=True, ws=True, grouped=True)
+    for c in (cfg, replace(cfg, mt=4, cluster=4, trig=True), replace(cfg, mt=16, warps=4, cluster=2)):
+        assert wo_mma.compile_cubin(wo_mma.source(c), "90a")[:4] == b"\x7fELF", c
+    with pytest.raises(RuntimeError, match="GROUPED: the mma.sync build with x staged, or the warp-specialized"):
+        wo_mma.compile_cubin(wo_mma.source(replace(cfg, ws=False)), "90a")
+    with pytest.raises(RuntimeError, match="GACT: the grouped build"):
+        wo_mma.compile_cubin(wo_mma.source(replace(cfg, gact=1)), "90a")
+    with pytest.raises(RuntimeError, match="XPAD: the grouped mma.sync build"):
+        wo_mma.compile_cubin(wo_mma.source(replace(cfg, xpad=True)), "90a")
 
 
 def test_operands_as_the_kernel_reads_them():

@@ -404,6 +404,33 @@ def test_grouped_launch_fills_the_gpu_in_a_cluster(name):
     assert wo_policy.grouped_launch(sm80, wo_policy.Call(spec, 8, 4096, 14336 * 4), 2, False) is None
 
 
+@pytest.mark.parametrize("name", ["int4_g128", "nvfp4", "mxfp8"])
+def test_grouped_launch_warp_specialized_above_16_slots(name):
+    """Blocks of 32 to 128 pair slots: the warp-specialized build (sm_90, tiled experts) with the dense build's CTA,
+    a split reduced in a cluster only, its rings within a CTA's shared memory; forced warps and split kept; none
+    with shared tiles, two tiles per warp or the fused activation, on other GPUs, or untiled experts. x narrower than
+    K needs nothing of it (the rows are gathered and padded first)."""
+    spec = replace(SPECS[name], tiled=True)
+    gpu = FakeGpu((9, 0), 132)
+    for n, k, active, bm in ((28672, 4096, 8, 64), (4096, 14336, 8, 64), (1536, 2048, 128, 32), (5760, 2944, 32, 128),
+                             (2048, 768, 64, 32)):
+        launch = wo_policy.grouped_launch(gpu, wo_policy.Call(spec, bm, n, k), active, True)
+        cfg = launch.cfg
+        assert cfg.grouped and cfg.ws and cfg.wgmma and cfg.packed and cfg.mt == bm // 8 and not launch.global_split
+        assert launch.split == (cfg.cluster if launch.split > 1 else 1) <= wo_policy.MAX_CLUSTER
+        assert launch.cps * launch.split >= k // wo_policy.chunk_k(spec) and launch.smem <= wo_policy.SM90_SMEM_PER_CTA
+        assert launch.cols * 16 * cfg.warps >= n and launch.x_input == ("tma" if cfg.xnat else "x_prep")
+        padded = wo_policy.grouped_launch(gpu, wo_policy.Call(spec, bm, n, k), active, True, xpad=True)
+        assert padded == launch
+    forced = wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 64, 4096, 14336), 8, True, warps=16, split=4)
+    assert (forced.cfg.warps, forced.split, forced.cfg.cluster, forced.cols) == (16, 4, 4, 16)
+    assert wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 64, 4096, 14336), 8, True, split=16) is None
+    for fixed in ({"kw": 2}, {"rt": 2}, {"gact": 1}, {"warps": 6}):
+        assert wo_policy.grouped_launch(gpu, wo_policy.Call(spec, 64, 4096, 4096), 8, True, **fixed) is None, fixed
+    assert wo_policy.grouped_launch(FakeGpu((8, 0), 108), wo_policy.Call(spec, 64, 4096, 4096), 8, False) is None
+    assert wo_policy.grouped_launch(gpu, wo_policy.Call(SPECS[name], 64, 4096, 4096), 8, True) is None  # not tiled
+
+
 @pytest.mark.parametrize("name", ["int4_g128", "nvfp4"])
 def test_grouped_launch_fused_epilogues(name):
     """The fused gated activation: the same CTAs and split as the plain launch (a CTA's gate tiles and the
