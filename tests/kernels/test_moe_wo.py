@@ -1025,6 +1025,30 @@ MOE_ENTRY = re.compile(r"^(?P<scheme>[^|]+)\|bfloat16\|moe E(?P<e>\d+) k(?P<k>\d
                        r"\d+x(?P<i>\d+)\|t(?P<t>\d+)$")
 
 
+def test_shipped_moe_entries_are_run_as_measured():
+    """Every shipped weight-only MoE entry is one the op runs as written (``_route`` takes its route and launch, not
+    the rule it falls back to for a launch this version cannot read)."""
+    from qcompile.kernels import wo_tune
+
+    rule = {"block_m": 8}
+    seen = 0
+    for path in sorted(wo_tune.SHIPPED.glob("*.json")):
+        for key, choice in wo_tune.read_table(path).items():
+            if not MOE_ENTRY.match(key) or choice.route == "policy":
+                continue
+            seen += 1
+            configs, dequant_rows, mma = mw._route(choice, rule)
+            where = f"{path.name}: {key}"
+            if choice.route == "mma":
+                assert mma is choice.launch and dequant_rows == mw.NO_DEQUANT, where
+            elif choice.route == "triton":
+                assert configs is not None and mma is None, where
+                assert configs[0]["BLOCK_M"] in mw.TUNE_BLOCK_M + (128,), where
+            else:
+                assert choice.route == "dequant" and dequant_rows == 0, where
+    assert seen
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4_g128", "nvfp4", "mxfp4", "mxfp8"])
 def test_gpu_shipped_entries_match_reference(fmt):
