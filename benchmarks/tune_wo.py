@@ -58,8 +58,9 @@ def tune_shape(spec, n: int, k: int, ms, g: torch.Generator, bw: float, reps: in
     return entries
 
 
-def tune_moe(name: str, fmt: str, tokens, bw: float, reps: int) -> dict[str, dict]:
-    """Table entries of one weight-only format on one MoE expert shape, one per T."""
+def tune_moe(name: str, fmt: str, tokens, bw: float, reps: int):
+    """Table entries of one weight-only format on one MoE expert shape: one ``{key: entry}`` per T, yielded as each
+    T is measured."""
     import bench_moe
 
     from qcompile.kernels import moe_wo
@@ -67,19 +68,17 @@ def tune_moe(name: str, fmt: str, tokens, bw: float, reps: int) -> dict[str, dic
     e, h, i, k = bench_moe.SHAPES[name]
     spec, w13, w2 = bench_moe.wo_layer(moe_wo.parse_scheme_key(bench_moe.OURS_WO[fmt]), e, h, i, "cuda", 0)
     per_expert = moe_wo.expert_bytes(w13, w2)
-    entries = {}
     for t in tokens:
         x, ids, weights, used = bench_moe.routed_tokens(t, e, h, k, "cuda")
         times = moe_wo.tune_call(x, ids, weights, w13, w2, None, None, "silu", spec, False, i, reps, keep=False)
         choice = wo_tune.best(times)
         policy = times[wo_tune.Choice("policy")]
         floor = used * per_expert / bw * 1e6
-        entries[moe_wo._key(x, ids, w13, spec, i)] = {**choice.to_json(), "us": round(times[choice], 2),
-                                                      "policy_us": round(policy, 2)}
         print(f"{name} {fmt} T={t:<5} rule {policy:8.1f} µs ({100 * floor / policy:5.1f} % of floor)   chosen "
               f"{times[choice]:8.1f} µs ({100 * floor / times[choice]:5.1f} %, {len(times)} timed)  "
               f"{json.dumps(choice.to_json())}", flush=True)
-    return entries
+        yield {moe_wo._key(x, ids, w13, spec, i): {**choice.to_json(), "us": round(times[choice], 2),
+                                                   "policy_us": round(policy, 2)}}
 
 
 def main(argv=None) -> int:
@@ -117,10 +116,10 @@ def main(argv=None) -> int:
         rows = {f: bench_moe.wo_row(f) for f in args.moe_formats}
         for shape in args.moe:
             for row in rows.values():
-                entries = tune_moe(shape, row, args.tokens, bw, args.reps)
+                for entries in tune_moe(shape, row, args.tokens, bw, args.reps):
+                    wo_tune.merge_table(path, name, entries)  # after each T: a cut run keeps what it measured
+                    written += len(entries)
                 torch.cuda.empty_cache()
-                wo_tune.merge_table(path, name, entries)
-                written += len(entries)
         print(f"wrote {written} entries to {path}")
         return 0
     g = torch.Generator(device="cuda").manual_seed(0)

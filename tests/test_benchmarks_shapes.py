@@ -45,3 +45,30 @@ def test_tune_wo_refuses_token_counts_that_are_not_buckets(capsys):
         with pytest.raises(SystemExit):
             tune_wo.main(["--moe", "qwen3-30b-a3b", "--tokens", *tokens])
         assert f"--tokens [{tokens[0]}]: each T must be one of the buckets" in capsys.readouterr().err
+
+
+def test_tune_wo_moe_writes_each_token_count_as_measured(tmp_path, monkeypatch):
+    """tune_wo.py --moe merges each T's entry into the table as soon as it is measured: a run cut at a later T (its
+    time limit, a fault) keeps the earlier ones."""
+    import json
+
+    import bench_moe
+
+    tune_wo = benchmark("tune_wo")
+    monkeypatch.setattr(tune_wo.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune_wo.torch.cuda, "get_device_name", lambda *a: "Made-up GPU")
+    monkeypatch.setattr(tune_wo, "copy_bandwidth", lambda device: 3e12)
+    monkeypatch.setattr(bench_moe, "wo_row", lambda fmt: fmt)
+
+    def tune_moe(name, fmt, tokens, bw, reps):
+        for t in tokens:
+            if t == 256:
+                raise RuntimeError("cut")
+            yield {f"{name}|{fmt}|t{t}": {"route": "policy", "us": 1.0, "policy_us": 1.0}}
+
+    monkeypatch.setattr(tune_wo, "tune_moe", tune_moe)
+    with pytest.raises(RuntimeError, match="cut"):
+        tune_wo.main(["--moe", "mixtral", "--moe-formats", "nvfp4", "--tokens", "64", "128", "256",
+                      "--out", str(tmp_path)])
+    table = json.loads(next(tmp_path.glob("*.json")).read_text())["entries"]
+    assert sorted(table) == ["mixtral|nvfp4|t128", "mixtral|nvfp4|t64"]
