@@ -38,6 +38,8 @@ MAX_M = 32  # the mma.sync build: 4 token tiles of 8
 SMEM_BUDGET = 96 * 1024  # x slice per CTA of the mma.sync build; split-K grows until it fits
 MAX_CLUSTER = 8  # splits reduced inside one thread-block cluster (the portable maximum), sm_90+
 SM90_SMEM_PER_SM = 228 * 1024
+SM90_SMEM_PER_CTA = 227 * 1024  # dynamic shared memory one CTA may use on sm_90
+GROUPED_MMA_MAX_M = 16  # pair slots per block of the grouped mma.sync build; above, the warp-specialized build
 # (stages, warps per SM) of the mma.sync build by layout (tiled or not), MMA_WARPS warps per CTA
 LAUNCH = {True: (2, 32), False: (2, 16)}
 MMA_WARPS = 8
@@ -594,16 +596,9 @@ def grouped_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | No
     split = -(-nch // cps)
     if split > most or x_bytes(m, cps, bits) > SMEM_BUDGET:
         return None
-    smode, group = scale_mode(spec)
-    cfg = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, call.zp_t is not None,
-                    call.zp_t or "int", call.has_gs, call.has_bias, -(-m // 8), stages, warps, spec.tiled,
-                    cluster=split if split > 1 else 1, pdl=pdl, trig=trig and pdl, xf16=call.xf16, grouped=True, kw=kw,
-                    rt=rt, gact=gact, xpad=xpad)
+    cfg = call_config(call, m, stages, warps, cluster=split if split > 1 else 1, pdl=pdl, trig=trig and pdl,
+                      grouped=True, kw=kw, rt=rt, gact=gact, xpad=xpad)
     return MmaLaunch(cfg, -(-(n // 16) // cfg.tiles), split, cps, smem_bytes(m, cps, cfg))
-
-
-GROUPED_MMA_MAX_M = 16  # pair slots per block of the grouped mma.sync build; above, the warp-specialized build
-SM90_SMEM_PER_CTA = 227 * 1024  # dynamic shared memory one CTA may use on sm_90
 
 
 def grouped_ws_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int | None = None,
@@ -627,11 +622,8 @@ def grouped_ws_launch(gpu: Gpu, call: Call, active: int, pdl: bool, warps: int |
     split = -(-nch // cps)
     if split > max_cluster:
         return None
-    smode, group = scale_mode(spec, True)
-    cfg = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, call.zp_t is not None,
-                    call.zp_t or "int", call.has_gs, call.has_bias, m // 8, 2, warps, True,
-                    cluster=split if split > 1 else 1, pdl=pdl, wgmma=True, xstages=3 if warps >= 16 else 4,
-                    ws=True, trig=trig and pdl, xf16=call.xf16, grouped=True)
+    cfg = call_config(call, m, 2, warps, True, cluster=split if split > 1 else 1, pdl=pdl,
+                      xstages=3 if warps >= 16 else 4, ws=True, trig=trig and pdl, grouped=True)
     smem = smem_bytes(m, cps, cfg)
     return MmaLaunch(cfg, cols, split, cps, smem) if smem <= SM90_SMEM_PER_CTA else None
 
@@ -651,6 +643,16 @@ class Call:
     zp_t: str | None = None  # C type of the zero points (wo_mma.ZP_TYPES), None without
     has_gs: bool = False
     has_bias: bool = False
+
+
+def call_config(call: Call, m: int, stages: int, warps: int, wgmma: bool = False, **build) -> MmaConfig:
+    """The build of one call's format, optional tensors and x dtype for ``m`` rows (whole 8-row tiles), ``stages``
+    and ``warps``; ``build``: the other :class:`MmaConfig` fields."""
+    spec = call.spec
+    smode, group = scale_mode(spec, wgmma)
+    return MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, call.zp_t is not None,
+                     call.zp_t or "int", call.has_gs, call.has_bias, -(-m // 8), stages, warps, spec.tiled,
+                     wgmma=wgmma, xf16=call.xf16, **build)
 
 
 def choose(gpu: Gpu, call: Call, pdl: bool, stages: int | None = None, warps: int | None = None,
@@ -707,11 +709,8 @@ def choose(gpu: Gpu, call: Call, pdl: bool, stages: int | None = None, warps: in
     stages, warps_per_sm = stages or d_stages, warps_per_sm or d_wps
     if trig is None:
         trig = trig_default(packed, wgmma, ws, m, k)
-    smode, group = scale_mode(spec, wgmma)
-    base = MmaConfig(FMT[(spec.dtype, spec.packing)], SK[spec.scale.dtype], smode, group, call.zp_t is not None,
-                     call.zp_t or "int", call.has_gs, call.has_bias, -(-m // 8), stages, warps, packed, pdl=pdl,
-                     wgmma=wgmma, xstages=xstages, minb=minb, ws=ws, nstg=nstg, trig=trig, kw=kw, rt=rt,
-                     xf16=call.xf16, xs=xs)
+    base = call_config(call, m, stages, warps, wgmma, pdl=pdl, xstages=xstages, minb=minb, ws=ws, nstg=nstg,
+                       trig=trig, kw=kw, rt=rt, xs=xs)
     plan_args = (m, n, k, split, warps_per_sm, smem_budget, max_cluster)
     if auto:
         return default_launch(gpu, base, *plan_args, rt=rt_default(spec, m, n, k, cap, sms))
