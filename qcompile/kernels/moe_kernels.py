@@ -420,7 +420,7 @@ if HAS_TRITON:
             y = _epilogue(y_g, y_u, b_ptr + expert.to(tl.int64) * stride_be, rows, UP, first, alpha, limit,
                           route_ptr, pair, m_ok, ACT, GATED, HAS_BIAS, ROUTE)
             out_row = pair
-        out = out_ptr + pid_k * stride_os + out_row.to(tl.int64)[:, None] * stride_om + n[None, :]
+        out = out_ptr + pid_k.to(tl.int64) * stride_os + out_row.to(tl.int64)[:, None] * stride_om + n[None, :]
         if OUT_QUANT:
             y = y.to(tl.float16 if OUT_FP16 else tl.bfloat16).to(tl.float32)
             y = _quantize(y, tl.load(qs_ptr), W_INT8, NATIVE_FP8)
@@ -462,5 +462,6 @@ if HAS_TRITON:
                 e = tl.load(ids_ptr + t * TOPK + j) + h * 0
                 ok = ok & (e >= 0) & (e < E)
             for s in tl.static_range(SPLIT):
-                acc += tl.load(part_ptr + s * stride_ps + (t * TOPK + j) * H + h, mask=ok, other=0.0).to(tl.float32)
+                part = part_ptr + s * stride_ps.to(tl.int64) + (t * TOPK + j) * H + h
+                acc += tl.load(part, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)

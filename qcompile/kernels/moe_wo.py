@@ -77,7 +77,7 @@ if HAS_TRITON:
         g = tl.zeros([BLOCK], dtype=tl.float32)
         u = tl.zeros([BLOCK], dtype=tl.float32)
         for s in tl.static_range(SPLIT):
-            row = h_ptr + s * stride_hs + p * N1 + c
+            row = h_ptr + s * stride_hs.to(tl.int64) + p * N1 + c  # (split x pairs x N1 may pass 2**31)
             g += tl.load(row, mask=ok, other=0.0)
             if GATED:
                 u += tl.load(row + I, mask=ok, other=0.0)

@@ -394,7 +394,7 @@ if HAS_TRITON:
                 res = res * tl.load(route_ptr + m2, mask=m2 < M, other=0.0).to(tl.float32)
             tl.store(out_ptr + (pid_k * M + m2).to(tl.int64) * N + n2, res, mask=mask)
         elif PARTIAL:
-            tl.store(out_ptr + pid_k * M * N + m2 * N + n2, res, mask=mask)
+            tl.store(out_ptr + (pid_k * M + m2).to(tl.int64) * N + n2, res, mask=mask)
         else:
             if HAS_BIAS:
                 res = res + tl.load(bias_ptr + n2, mask=n2 < N, other=0.0).to(tl.float32)
@@ -407,7 +407,7 @@ if HAS_TRITON:
         ok = offs < MN
         acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT_K):
-            acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+            acc += tl.load(part_ptr + s * MN.to(tl.int64) + offs, mask=ok, other=0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)

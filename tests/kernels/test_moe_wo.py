@@ -1071,3 +1071,35 @@ def test_gpu_shipped_entries_match_reference(fmt):
         check_gpu(out, args, f"{m.group(0)} {choice}")
         del args, w13, w2
         torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_split_partials_past_int32_offsets():
+    """Split-K partials of more than 2**31 elements: GEMM 1's fp32 [16, 8192 pairs, 28672] (Mixtral's gate/up
+    projection at 8192 routed pairs, 15 GB) summed by the activation kernel, and the top-k sum over partials
+    [3, pairs, H] whose split stride is 2**30, each split read at an int64 offset (wrapped int32 offsets
+    fault or read another split)."""
+    e, h, i = 2, 4096, 14336
+    args = gpu_moe("int4_g128", 8192, (e, h, i, 1))
+    w13, w2 = (tuple(args[f"{p}_{r}"] for r in W_ROLES) for p in ("w13", "w2"))
+    spec = mw.parse_scheme_key(args["scheme"])
+    x = args["hidden_states"]
+    cfgs = tuple(dict(mw.grouped_config(8192, e, n, kk, spec.weight, x.device), BLOCK_M=64, BLOCK_K=128, SPLIT_K=sk)
+                 for n, kk, sk in ((2 * i, h, 16), (h, i, 1)))
+    out = mw.wo_moe_triton(x, args["top_k_index"], args["top_k_weights"], w13, w2, None, None, "silu", spec, False,
+                           configs=cfgs)
+    check_gpu(out, args, "GEMM 1 in 16 splits")
+    del out, args, w13, w2
+    torch.cuda.empty_cache()
+    t, k, hh = 2**17, 2, 4096
+    part = torch.randn(3, t * k, hh, device="cuda")
+    ids = torch.zeros(t, k, dtype=torch.int32, device="cuda")
+    summed = torch.empty(t, hh, device="cuda")
+    mw._moe_sum_kernel[(t, hh // 512)](part, ids, summed, hh, 1, part.stride(0), TOPK=k, SPLIT=3, CHECK_IDS=True,
+                                       BLOCK_H=512, num_warps=4)
+    assert part.stride(0) * 2 >= 2**31
+    expect = torch.zeros(t, hh, device="cuda")
+    for j in range(k):  # the kernel's order: each pair's splits in turn, in fp32
+        for s in range(3):
+            expect += part[s, j::k]
+    torch.testing.assert_close(summed, expect, rtol=1e-6, atol=1e-6)

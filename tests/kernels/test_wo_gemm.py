@@ -635,3 +635,21 @@ def test_gpu_cuda_graph_and_compile():
         assert torch.equal(captured, eager)
         compiled = torch.compile(lambda *a: torch.ops.qcompile.wo_linear(*a), fullgraph=True)(*args)
         assert torch.equal(compiled, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_split_partials_past_int32_offsets():
+    """fp32 split-K partials [split, M, N] of more than 2**31 elements (16 x 8192 x 32768: 17 GB): the kernel
+    stores and the reduction reads each split at an int64 offset; wrapped int32 offsets fault or read another
+    split. Bounds of test_gpu_triton_matches_reference (normwise)."""
+    m, n, k = 8192, 32768, 4096
+    case = _gpu_case("int4_g128", m, n, k, torch.bfloat16, seed=2)
+    spec = wg.parse_scheme_key(case["scheme"]).weight
+    cfg = dict(wg.pick_config(m, n, k, wg.layout_of(spec), 132), SPLIT_K=16, BLOCK_K=128)
+    assert wg.splits(k, cfg)[0] * m * n > 2**31
+    out = wg.wo_gemm(case["x"], case["weight"], case["weight_scale"], None, None, None, case["bias"], spec,
+                     config=cfg).float()
+    w = quant_math.dequantize_weight(case["weight"], case["weight_scale"], spec, None, None, None, k)
+    ref = case["x"].float() @ w.t()
+    assert ((out - ref).norm() / ref.norm()).item() < 4e-3
