@@ -409,8 +409,9 @@ def tune_call(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, 
     whether GEMM 1 fuses the activation) and the Triton kernel (BLOCK_M of both GEMMs, then each GEMM's
     :data:`TUNE_AXES`), one axis at a time; each per call in a CUDA graph whose calls cycle through routings of the
     call's pairs onto other experts (:func:`relabeled`, as many as :func:`wo_tune.copies_for` the experts' bytes:
-    their weights come from memory, as in a decode step). With ``keep`` the fastest goes into wo_tune's on-disk cache
-    under the call's T bucket."""
+    their weights come from memory, as in a decode step), once its output on the call's own routing has passed
+    :func:`wo_tune.output_check` (repeatable, and the rule's within its tolerance). With ``keep`` the fastest goes
+    into wo_tune's on-disk cache under the call's T bucket."""
     epw = layout_of(spec.weight).epw
     pairs, e, n1, h = ids.numel(), w13[0].shape[0], w13[0].shape[1], x.shape[1]
     rule_mma = mma_rule(x, pairs, e)
@@ -425,12 +426,13 @@ def tune_call(x, ids, weights, w13: tuple, w2: tuple, b13, b2, activation: str, 
     mma_start = wo_tune.Choice("mma", {"block_m": 8})
     starts = [triton_start] + ([mma_start] if _mma_launches(x, w13, w2, b13, b2, spec, i, mma_start.launch, pairs)
                                else [])
-    times = wo_tune.measure([wo_tune.Choice("policy"), wo_tune.Choice("dequant")] + starts, run, reps)
+    check = wo_tune.output_check(run[0])  # (the call's own routing)
+    times = wo_tune.measure([wo_tune.Choice("policy"), wo_tune.Choice("dequant")] + starts, run, reps, check)
 
     def descend(best, axes):  # one axis at a time from ``best``: (axis, gemm or None, values)
         for field, gemm, values in axes:
             cands = [_with(best, gemm, field, v) for v in values]
-            times.update(wo_tune.measure([c for c in cands if c not in times], run, reps))
+            times.update(wo_tune.measure([c for c in cands if c not in times], run, reps, check))
             best = min((c for c in times if c in cands + [best]), key=times.get)
 
     if mma_start in times:

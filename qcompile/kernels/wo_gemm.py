@@ -434,8 +434,8 @@ def weight_copies(args: tuple) -> list[tuple]:
 def tune_call(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec, reps: int = 20,
               keep: bool = True) -> dict:
     """µs of every candidate route of this call (:func:`wo_tune.candidates`), per call in a CUDA graph cycling
-    through copies of its weights (:func:`weight_copies`, :func:`wo_tune.measure`); with ``keep`` the fastest is
-    added to the on-disk cache under the call's M bucket."""
+    through copies of its weights (:func:`weight_copies`, :func:`wo_tune.measure`) once its output has passed
+    :func:`wo_tune.output_check`; with ``keep`` the fastest is added to the on-disk cache under the call's M bucket."""
     args = (x2, weight, scale, gs, zp, g_idx, bias, spec)
     m, n, k = x2.shape[0], weight.shape[0], x2.shape[1]
     mma_ok = wo_mma.mma_reason(spec, n, k, x2.dtype, None if zp is None else zp.dtype) is None
@@ -444,7 +444,8 @@ def tune_call(x2, weight, scale, gs, zp, g_idx, bias, spec: WeightSpec, reps: in
                                lambda **kw: wo_mma.decide(x2, weight, gs, zp, bias, spec, **kw))
     copies = weight_copies(args)
     runs = [lambda c, a=a: run_choice(c, *a) for a in copies]
-    times = wo_tune.measure(cands, runs if len(runs) > 1 else runs[0], reps)  # (one: timed with L2 flushed)
+    check = wo_tune.output_check(runs[0])
+    times = wo_tune.measure(cands, runs if len(runs) > 1 else runs[0], reps, check)  # (one: L2 flushed)
     del copies, runs
     choice = wo_tune.best(times)
     key = wo_tune.key_of(spec, x2.dtype, n, k, m)

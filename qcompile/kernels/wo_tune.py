@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 import os
 import re
 import statistics
@@ -30,6 +31,7 @@ from ..errors import ConfigError
 from ..scheme import QuantScheme, WeightSpec
 from . import cuda_driver, wo_policy
 
+log = logging.getLogger("qcompile")
 SHIPPED = Path(__file__).with_name("tuned")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 # T buckets of qcompile::wo_moe's keys: M's, then prefill chunks up to 16384 tokens, where the faster of the grouped
@@ -282,8 +284,42 @@ def copies_for(nbytes: int, most: int | None = MAX_COPIES) -> int:
     return n if most is None else min(most, n)
 
 
-def measure(choices: list[Choice], run, reps: int = 20) -> dict[Choice, float]:
-    """µs of each choice; a choice that fails is left out. ``run(choice)`` runs the op that way: each choice is
+# How far (normwise) a candidate's output may lie from the policy's: the routes round in bf16 in different orders
+# (up to ~6e-3 apart on random experts); a wrong expert, scale, tile or K range errs by O(1)
+MATCH_TOL = 2e-2
+# Calls of each candidate on one input before it is timed: their outputs must be bit for bit equal (every route
+# reduces its K splits in a fixed order), which a race between a kernel's warps rarely survives
+CHECK_CALLS = 3
+
+
+def output_check(call, reference: Choice = Choice("policy"), calls: int = CHECK_CALLS, tol: float = MATCH_TOL):
+    """A :func:`measure` ``check``: ``call(choice)`` returns the op's output on one fixed input. A candidate passes
+    when ``calls`` calls give bit-identical outputs within ``tol`` (normwise) of the ``reference`` choice's; otherwise
+    the check returns why not (where the reference itself does not run: only whether the calls agree)."""
+    ref = []
+
+    def check(c: Choice) -> str | None:
+        if not ref:
+            try:
+                ref.append(call(reference).float())
+            except _failures():
+                ref.append(None)
+        outs = [call(c) for _ in range(calls)]
+        if any(not torch.equal(outs[0], o) for o in outs[1:]):
+            return f"its outputs differ between {calls} identical calls"
+        if ref[0] is None:
+            return None
+        err = float((outs[0].float() - ref[0]).norm() / ref[0].norm().clamp_min(1e-30))
+        if not err <= tol:  # (NaN too)
+            return f"its output is {err:.3g} (normwise) from the {reference.route} route's"
+        return None
+
+    return check
+
+
+def measure(choices: list[Choice], run, reps: int = 20, check=None) -> dict[Choice, float]:
+    """µs of each choice; a choice that fails, or that ``check(choice)`` rejects (it returns why: see
+    :func:`output_check`; logged as a warning), is left out. ``run(choice)`` runs the op that way: each choice is
     timed one call at a time with L2 flushed (:func:`timer`). ``run`` a list of such callables, each reading other
     weights (a copy of the call's weights, or the MoE call's pairs routed to other experts; :func:`copies_for`): per
     call in a CUDA graph of :data:`GRAPH_CALLS` back-to-back calls cycling through them, as a decode step runs the op
@@ -294,6 +330,10 @@ def measure(choices: list[Choice], run, reps: int = 20) -> dict[Choice, float]:
     out = {}
     for c in choices:
         try:
+            why = check(c) if check is not None else None
+            if why:
+                log.warning("qcompile: tuning leaves out %s: %s", json.dumps(c.to_json()), why)
+                continue
             if isinstance(run, list):
                 it = itertools.cycle(run)
                 out[c] = graph_time_us(lambda c=c: next(it)(c), GRAPH_CALLS, max(reps // 2, 3))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -180,6 +181,39 @@ def test_graph_timed_measure_cycles_the_weight_copies(monkeypatch):
     monkeypatch.setattr(wo_tune, "timer", lambda fn, reps=20: 5.0)
     assert wo_tune.measure([Choice("policy")], lambda c: None) == {Choice("policy"): 5.0}
     assert [wo_tune.copies_for(b) for b in (1 << 30, 128 << 20, 100 << 20, 1 << 20, 0)] == [2, 2, 3, 16, 16]
+
+
+def test_measure_leaves_out_what_the_output_check_rejects(monkeypatch, caplog):
+    """A candidate whose output changes between identical calls (a race), or lies beyond MATCH_TOL from the
+    policy's (a wrong tile or scale), is left out with a warning before it is timed; one within the tolerance (the
+    routes round differently) is timed. A policy that does not run leaves only the repeatability check."""
+    base = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    outs = {"policy": lambda: base, "triton": lambda: base * (1 + 1e-3),
+            "dequant": lambda: base + 0.1 * torch.randn(64, 32),  # a different output each call
+            "mma": lambda: base * 1.1}
+    calls = []
+
+    def call(c):
+        calls.append(c.route)
+        return outs[c.route]().bfloat16()
+
+    monkeypatch.setattr(wo_tune, "timer", lambda fn, reps=20: 1.0)
+    check = wo_tune.output_check(call)
+    with caplog.at_level("WARNING", logger="qcompile"):
+        times = wo_tune.measure([Choice(r) for r in outs], lambda c: None, check=check)
+    assert times == {Choice("policy"): 1.0, Choice("triton"): 1.0}
+    assert calls.count("policy") == 1 + wo_tune.CHECK_CALLS  # the reference once, then its own calls
+    assert "differ between 3 identical calls" in caplog.text and '"route": "dequant"' in caplog.text
+    assert re.search(r"is 0\.(099|1)\d* \(normwise\) from the policy route's", caplog.text)
+    assert '"route": "mma"' in caplog.text
+
+    def fails(c):
+        if c.route == "policy":
+            raise RuntimeError("no launch")
+        return call(c)
+
+    check = wo_tune.output_check(fails)
+    assert check(Choice("mma")) is None and check(Choice("dequant")) is not None
 
 
 def test_weight_copies_clone_the_weight_tensors():
