@@ -296,20 +296,18 @@ def output_check(call, reference: Choice = Choice("policy"), calls: int = CHECK_
     """A :func:`measure` ``check``: ``call(choice)`` returns the op's output on one fixed input. A candidate passes
     when ``calls`` calls give bit-identical outputs within ``tol`` (normwise) of the ``reference`` choice's; otherwise
     the check returns why not (where the reference itself does not run: only whether the calls agree)."""
-    ref = []
+    try:
+        ref = call(reference).float()
+    except _failures():
+        ref = None
 
     def check(c: Choice) -> str | None:
-        if not ref:
-            try:
-                ref.append(call(reference).float())
-            except _failures():
-                ref.append(None)
         outs = [call(c) for _ in range(calls)]
         if any(not torch.equal(outs[0], o) for o in outs[1:]):
             return f"its outputs differ between {calls} identical calls"
-        if ref[0] is None:
+        if ref is None:
             return None
-        err = float((outs[0].float() - ref[0]).norm() / ref[0].norm().clamp_min(1e-30))
+        err = float((outs[0].float() - ref).norm() / ref.norm().clamp_min(1e-30))
         if not err <= tol:  # (NaN too)
             return f"its output is {err:.3g} (normwise) from the {reference.route} route's"
         return None
