@@ -1076,6 +1076,39 @@ def test_gpu_shipped_entries_match_reference(fmt):
 
 
 @pytest.mark.gpu
+def test_gpu_weight_ring_slots_refilled_after_their_reads():
+    """The warp-specialized build's weight ring at its largest: Mixtral's down projection (K = 14336, 112 chunks) in
+    blocks of 128 slots, 16 consumer warps, 227 KB of shared memory per CTA. A slot refilled before a warp's loads
+    of it completed gives that warp the next ring pass's words for one chunk (a different output nearly every call);
+    the launch must give 8 bit-identical outputs, equal to the 8-warp launch's (same chunk order per row)."""
+    from qcompile.kernels import wo_mma
+    from qcompile.kernels.moe_kernels import moe_align
+
+    tiled = QuantScheme(dataclasses.replace(FORMATS["int4_g128"], tiled=True))
+    args = gpu_moe("int4_g128", 256, (8, 4096, 14336, 2), seed=256)
+    w13, w2 = projections(args, tiled)
+    x, ids = args["hidden_states"], args["top_k_index"]
+    pairs = ids.numel()
+    align = moe_align(ids.reshape(-1).contiguous(), 8, 128)
+    a = (torch.randn(pairs, 14336, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda") / 2
+         ).to(torch.bfloat16)
+    route = args["top_k_weights"].reshape(-1).contiguous()
+
+    def gemm2(warps, calls):
+        launch = mw._mma_launches(x, w13, w2, None, None, tiled, 14336, {"block_m": 128, "gemm2": {"warps": warps}},
+                                  pairs, "silu")[1]
+        assert launch.cfg.ws and launch.cfg.warps == warps, launch
+        return launch, [wo_mma.grouped(launch, a, 1, *w2[:4], None, tiled.weight, align, pairs, route, ready=True)
+                        for _ in range(calls)]
+
+    expected = gemm2(8, 1)[1][0]
+    launch, outs = gemm2(16, 8)
+    assert launch.smem > 220 * 1024, launch  # (the case this test is for)
+    differ = [int((o != expected).any(1).sum()) for o in outs]
+    assert differ == [0] * 8, f"rows differing from the 8-warp launch, per call: {differ}"
+
+
+@pytest.mark.gpu
 def test_gpu_split_partials_past_int32_offsets():
     """Split-K partials of more than 2**31 elements: GEMM 1's fp32 [16, 8192 pairs, 28672] (Mixtral's gate/up
     projection at 8192 routed pairs, 15 GB) summed by the activation kernel, and the top-k sum over partials
