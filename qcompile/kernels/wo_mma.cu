@@ -37,9 +37,9 @@
 //    the decoded weights (no per-chunk fp32 step).
 //  * WS (sm_90a, warp-specialized wgmma build, tiled weights): two producer warps fill mbarrier
 //    rings with bulk copies (weights: NSTG slots of one chunk per consumer warp, released once the
-//    words are loaded, behind a proxy fence; x: XSTAGES slots, loaded by TMA from x itself (XNAT) or rearranged into
-//    the B layout once per call by x_prep), and the consumer warpgroups wait only on their own slots: no
-//    CTA barrier per chunk.
+//    words are loaded, behind a proxy fence; x: XSTAGES slots, loaded by TMA from x itself (XNAT) or
+//    rearranged into the B layout once per call by x_prep), and the consumer warpgroups wait only on
+//    their own slots: no CTA barrier per chunk.
 //  * GROUPED (mma.sync build, x staged): the routed experts of an MoE layer in one launch. gridDim.z runs over the
 //    blocks of a token sort (moe_kernels.moe_align: MT * 8 pair slots per block, one expert per block, -1 for an
 //    unused block); a CTA offsets the weight, scale, zero-point, global-scale and bias pointers to its block's
